@@ -1,0 +1,3 @@
+from k3bundle.cli.app import main
+
+main()

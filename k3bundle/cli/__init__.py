@@ -1,0 +1,1 @@
+"""The k3bundle command line: thin typer commands over library calls."""

@@ -1,0 +1,52 @@
+"""Shared pieces of the CLI: option aliases, the output object, progress bars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A released-style config.json (no weights needed).")]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
+
+
+class Output:
+    """Results go to stdout (text or JSON); progress, hints and warnings to stderr."""
+
+    def __init__(self, json_mode: bool = False):
+        self.json_mode = json_mode
+
+    def result(self, text: str, data: Any) -> None:
+        if self.json_mode:
+            sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        else:
+            sys.stdout.write(text.rstrip("\n") + "\n")
+
+    def info(self, text: str) -> None:
+        if not self.json_mode:
+            sys.stderr.write(text + "\n")
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True):
+    """A rich progress bar on stderr; yields ``update(done, total, label)``."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda done, total, label="": None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.fields[label]}"),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=None, label="")
+
+        def update(done: int, total: int, label: str = "") -> None:
+            bar.update(task, completed=done, total=total, label=label)
+
+        yield update

@@ -1,0 +1,63 @@
+"""Assembles the ``k3bundle`` command line; each command lives in its own module."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+
+from k3bundle import __version__
+from k3bundle.cli import inspect as inspect_cmd
+from k3bundle.cli import schema as schema_cmd
+from k3bundle.cli import synth as synth_cmd
+from k3bundle.errors import K3Error
+
+app = typer.Typer(
+    name="k3bundle",
+    help="Bring Kimi K3 up on serving targets and new accelerators: pull, convert, validate, sign off.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _epilog(examples: list[str]) -> str:
+    return "Examples:\n\n" + "\n\n".join(f"  $ {e}" for e in examples)
+
+
+app.command("synth", epilog=_epilog(synth_cmd.EXAMPLES))(synth_cmd.synth)
+app.command("schema", epilog=_epilog(schema_cmd.EXAMPLES))(schema_cmd.schema)
+app.command("inspect", epilog=_epilog(inspect_cmd.EXAMPLES))(inspect_cmd.inspect)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"k3bundle {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
+
+
+def main() -> None:
+    """Entry point: known errors become one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except K3Error as e:
+        if os.environ.get("K3BUNDLE_DEBUG"):
+            raise
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)

@@ -1,0 +1,32 @@
+"""The errors k3bundle raises for bad input.
+
+Every error is one line that names the file or tensor and says what is wrong; the
+CLI prints it as ``error: <message>`` and exits 2. Anything that is not a
+``K3Error`` is a bug and keeps its traceback.
+"""
+
+
+class K3Error(Exception):
+    """Base class: bad input or an impossible request, reported in one line."""
+
+    exit_code = 2
+
+
+class ConfigError(K3Error):
+    """config.json is malformed: a field is missing, mistyped or impossible."""
+
+
+class SchemaError(K3Error):
+    """A checkpoint does not match the tensor schema of its config."""
+
+
+class SafetensorsError(K3Error):
+    """A safetensors file breaks the format (header, offsets, dtype, size)."""
+
+
+class CodecError(K3Error):
+    """A codec got input of the wrong shape, dtype or range."""
+
+
+class SynthError(K3Error):
+    """A synthetic checkpoint cannot be written as asked."""

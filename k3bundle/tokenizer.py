@@ -1,0 +1,156 @@
+"""Load a Kimi K3 tokenizer directory (``tiktoken.model`` + specials) as a tiktoken Encoding.
+
+Only data is read: the ``base64(token_bytes) rank`` lines of ``tiktoken.model``, and, when
+present, ``tokenizer_config.json`` to cross-check its named special tokens. The special
+tokens themselves come from :mod:`k3bundle.tokenizer_specials` (256 slots after the
+mergeable ranks); ``tokenization_*.py`` is never imported or executed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from pathlib import Path
+
+import tiktoken
+
+from k3bundle import tokenizer_specials as ts
+from k3bundle.errors import K3Error
+
+TIKTOKEN_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class TokenizerError(K3Error):
+    """A tokenizer file is malformed or disagrees with K3's special-token layout."""
+
+
+def _is_decimal(b: bytes) -> bool:
+    return bool(b) and all(48 <= c <= 57 for c in b) and (b == b"0" or b[0] != 48)
+
+
+def read_mergeable_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
+    """Parse ``tiktoken.model`` strictly: token bytes -> rank, ranks exactly 0..n-1.
+
+    Every line must be ``<base64> <rank>`` (one space, canonical decimal rank, newline at
+    the end of the file optional). Duplicate tokens, duplicate ranks, gaps in the ranks and
+    missing single-byte tokens are errors that name the file and, where there is one, the
+    line.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"{p}: cannot read: {e.strerror or e}") from None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if not lines:
+        raise TokenizerError(f"{p}: empty file, expected '<base64> <rank>' lines")
+
+    ranks: dict[bytes, int] = {}
+    line_of_rank: dict[int, int] = {}
+    line_of_token: dict[bytes, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        where = f"{p}:{lineno}"
+        fields = line.split(b" ")
+        if len(fields) != 2:
+            raise TokenizerError(
+                f"{where}: malformed line {line[:60]!r}, expected '<base64> <rank>'"
+            )
+        tok_b64, rank_txt = fields
+        if not _is_decimal(rank_txt):
+            raise TokenizerError(f"{where}: rank {rank_txt[:30]!r} is not a decimal integer")
+        try:
+            tok = base64.b64decode(tok_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise TokenizerError(f"{where}: token {tok_b64[:40]!r} is not valid base64") from None
+        if not tok:
+            raise TokenizerError(f"{where}: token is empty")
+        rank = int(rank_txt)
+        if rank in line_of_rank:
+            raise TokenizerError(
+                f"{where}: rank {rank} already given on line {line_of_rank[rank]}"
+            )
+        if tok in line_of_token:
+            raise TokenizerError(
+                f"{where}: token {tok!r} already given on line {line_of_token[tok]}"
+            )
+        line_of_rank[rank] = lineno
+        line_of_token[tok] = lineno
+        ranks[tok] = rank
+
+    n = len(ranks)
+    beyond = [r for r in line_of_rank if r >= n]
+    if beyond:
+        r = min(beyond)
+        missing = min(set(range(n)) - set(line_of_rank))
+        raise TokenizerError(
+            f"{p}:{line_of_rank[r]}: rank {r} leaves a gap: ranks must be 0..{n - 1} "
+            f"with none missing (first missing rank {missing})"
+        )
+    absent = [b for b in range(256) if bytes([b]) not in ranks]
+    if absent:
+        raise TokenizerError(
+            f"{p}: {len(absent)} single-byte token(s) missing (first 0x{absent[0]:02x}); "
+            f"every byte must be a mergeable token"
+        )
+    return ranks
+
+
+def _check_config(path: Path, specials: dict[str, int]) -> None:
+    """Check that ``tokenizer_config.json``'s named specials sit where k3bundle expects."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TokenizerError(f"{path}: expected a JSON object at the top level")
+    decoder = cfg.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{path}: added_tokens_decoder is not an object")
+    by_id = {i: name for name, i in specials.items()}
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or not key.isdigit():
+            raise TokenizerError(f"{path}: added_tokens_decoder[{key!r}] is malformed")
+        want = by_id.get(int(key))
+        if want is None:
+            raise TokenizerError(
+                f"{path}: added token {key} ({content!r}) is outside the special range "
+                f"{min(by_id)}..{max(by_id)}"
+            )
+        if content != want:
+            raise TokenizerError(
+                f"{path}: added token {key} is {content!r}, but K3 has {want!r} there"
+            )
+
+
+def load_tiktoken(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
+    """Build a ``tiktoken.Encoding`` from a K3 tokenizer directory.
+
+    Mergeable ranks come from ``tiktoken.model``; the 256 special tokens follow them
+    (``tokenizer_specials.special_tokens(n + 256)``), with the release's ``PAT_STR``. If
+    ``tokenizer_config.json`` is present, its ``added_tokens_decoder`` must agree.
+    """
+    d = Path(directory)
+    ranks = read_mergeable_ranks(d / TIKTOKEN_FILE)
+    vocab_size = len(ranks) + ts.NUM_SPECIAL
+    try:
+        specials = ts.special_tokens(vocab_size)
+    except K3Error as e:
+        raise TokenizerError(f"{d / TIKTOKEN_FILE}: {e}") from None
+    cfg = d / CONFIG_FILE
+    if cfg.is_file():
+        _check_config(cfg, specials)
+    return tiktoken.Encoding(
+        name=TIKTOKEN_FILE,
+        pat_str=ts.PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens=specials,
+        explicit_n_vocab=vocab_size,
+    )
