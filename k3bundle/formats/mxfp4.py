@@ -157,7 +157,7 @@ def dequantize(
     Returns:
         tensor of `dtype` [..., n]; blocks with scale 0xFF are all NaN.
     """
-    if scales.dtype == torch.float8_e8m0fnu:
+    if scales.dtype == getattr(torch, "float8_e8m0fnu", None):  # torch >= 2.7
         scales = scales.view(torch.uint8)
     check_shapes(packed, scales, block, "mxfp4.dequantize")
     compute = torch.float64 if dtype == torch.float64 else torch.float32

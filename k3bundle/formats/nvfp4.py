@@ -156,7 +156,7 @@ def from_mxfp4(
         global_scale 0-dim f32 tensor (a power of two),
         bad_blocks bool [..., n/32]: True where the 32-block was re-quantized).
     """
-    if scales_e8m0.dtype == torch.float8_e8m0fnu:
+    if scales_e8m0.dtype == getattr(torch, "float8_e8m0fnu", None):  # torch >= 2.7
         scales_e8m0 = scales_e8m0.view(torch.uint8)
     mxfp4.check_shapes(packed, scales_e8m0, mxfp4.BLOCK, "nvfp4.from_mxfp4")
     lead, nb = scales_e8m0.shape[:-1], scales_e8m0.shape[-1]
