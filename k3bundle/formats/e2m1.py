@@ -75,6 +75,25 @@ def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     return table[(codes & 0xF).long()]
 
 
+def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``decode(unpack(packed))`` in one gather: a 256-entry table of (low, high) value pairs.
+
+    Args:
+        packed: uint8 [..., m].
+        dtype: float dtype of the result.
+
+    Returns:
+        tensor of `dtype` [..., 2m]; element 2j decodes the low nibble of byte j.
+    """
+    if packed.dtype != torch.uint8 or packed.ndim == 0:
+        raise CodecError(f"e2m1.decode_packed: expected uint8 [..., m], got {packed.dtype} {tuple(packed.shape)}")
+    values = torch.tensor(VALUES, dtype=dtype, device=packed.device)
+    byte = torch.arange(256, device=packed.device)
+    pairs_256x2 = torch.stack((values[byte & 0xF], values[byte >> 4]), dim=-1)
+    out = torch.nn.functional.embedding(packed.reshape(-1).long(), pairs_256x2)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """Pack codes two per byte along the last axis: low nibble = even index.
 

@@ -162,7 +162,7 @@ def dequantize(
     check_shapes(packed, scales, block, "mxfp4.dequantize")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     lead, nb = scales.shape[:-1], scales.shape[-1]
-    vals_NB = e2m1.decode(e2m1.unpack(packed), compute).reshape(*lead, nb, block)
+    vals_NB = e2m1.decode_packed(packed, compute).reshape(*lead, nb, block)
     factor_N = pow2(scales.to(torch.int32) - E8M0_BIAS, compute)
     factor_N = torch.where(scales == E8M0_NAN, float("nan"), factor_N)
     return (vals_NB * factor_N[..., None]).reshape(*lead, nb * block).to(dtype)

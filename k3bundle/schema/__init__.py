@@ -22,6 +22,7 @@ from k3bundle.errors import SchemaError
 from k3bundle.schema.roles import (
     MXFP4_PARTS, ROLE_BY_NAME, ROLES, STORED_DTYPE, TP, Format, Role, Scope, Section, dimensions,
 )
+from k3bundle.schema.roles import DEVICE_PARTS, STACKED_EXPERT_TEMPLATES  # noqa: F401 (re-exported)
 
 __all__ = ["Schema", "TensorSpec", "Totals", "Role", "Scope", "Format", "TP", "Section", "ROLES",
            "ROLE_BY_NAME", "DTYPE_BYTES", "RELEASE_PREFIX"]
@@ -204,6 +205,60 @@ class Schema:
         else:
             raise SchemaError(f"shard {index} out of range 1..{self.num_shards}")
 
+    # ---- role instances and device-side names (plan / convert / trace) ----
+    def instances(self) -> Iterator[tuple[Role, int | None]]:
+        """Every (role, layer-or-block) in release shard order; an expert role once per MoE layer.
+
+        This is ``tensors()`` without the expert and part expansion: full K3 has ~3,600
+        instances instead of 497,220 tensors, which is what lets ``plan`` work on families.
+        """
+        for layer in range(self.n_layers):
+            for role in self.layer_roles(layer):
+                yield role, layer
+        for section in self._sections():
+            for role in ROLES:
+                if role.section is section and role.scope is Scope.GLOBAL:
+                    yield role, None
+            if section is Section.VISION:
+                for b in range(self.vision.vt_num_hidden_layers):
+                    for role in ROLES:
+                        if role.scope is Scope.VIT_BLOCK:
+                            yield role, b
+
+    def specs(self, role: Role, layer: int | None = None, expert: int | None = None) -> list[TensorSpec]:
+        """The stored tensors of one role instance (one, or the packed/scale pair of MXFP4)."""
+        return list(self._specs(role, layer, expert))
+
+    def _stem_template(self, role: Role, stacked: bool) -> str:
+        if stacked:
+            if role.role not in STACKED_EXPERT_TEMPLATES:
+                raise SchemaError(f"role {role.role} is not a routed-expert role; it cannot be stacked")
+            return STACKED_EXPERT_TEMPLATES[role.role]
+        if role.fmt is Format.MXFP4:
+            return role.template
+        if role.template.endswith(".weight"):
+            return role.template[: -len(".weight")]
+        raise SchemaError(f"role {role.role} ({role.template}) is not a linear weight; it has no weight stem")
+
+    def device_name(self, role: Role, layer: int | None, expert: int | None, suffix: str,
+                    stacked: bool = False) -> str:
+        """Name of a device tensor derived from ``role``: its weight stem + ``suffix``.
+
+        ``suffix`` comes from ``roles.DEVICE_PARTS`` or ``roles.MXFP4_PARTS`` (e.g.
+        ``.weight_scale``). ``stacked`` names a rank's stacked experts of one layer
+        (``roles.STACKED_EXPERT_TEMPLATES``); then ``expert`` must be None.
+        """
+        if stacked and expert is not None:
+            raise SchemaError(f"a stacked name of {role.role} has no expert id (got {expert})")
+        stem = self._stem_template(role, stacked)
+        return stem.format(lm=self.prefix, bid=layer, eid=expert) + suffix
+
+    def expert_name_template(self, role: Role, layer: int, suffix: str) -> str:
+        """A routed-expert tensor name with the literal ``{eid}`` left in, for compact indexes."""
+        if role.scope is not Scope.EXPERT:
+            raise SchemaError(f"role {role.role} is not a routed-expert role")
+        return self._stem_template(role, False).format(lm=self.prefix, bid=layer, eid="{eid}") + suffix
+
     # ---- lookup ----
     @cached_property
     def _index(self) -> dict[str, TensorSpec]:
@@ -217,6 +272,34 @@ class Schema:
 
     def __contains__(self, name: str) -> bool:
         return name in self._index
+
+    def name(self, role: str, layer: int | None = None, expert: int | None = None,
+             part: str = "weight") -> str:
+        """The stored name of one tensor of ``role`` (no enumeration of the model).
+
+        Args:
+            role (`str`): a role of ``roles.ROLES``, e.g. "kda.q_proj" or "moe.expert.w1".
+            layer (`int`, optional): the decoder layer, for per-layer and per-expert roles.
+            expert (`int`, optional): the routed expert, for per-expert roles.
+            part (`str`): "weight", or "packed"/"scale" for the halves of an MXFP4 role.
+        """
+        r = ROLE_BY_NAME.get(role)
+        if r is None:
+            raise SchemaError(f"unknown tensor role {role!r}")
+        needs_layer = r.scope not in (Scope.GLOBAL,)
+        if needs_layer != (layer is not None) or (r.scope is Scope.EXPERT) != (expert is not None):
+            raise SchemaError(f"role {role} (scope {r.scope.value}) got layer={layer}, expert={expert}")
+        if layer is not None and r.section is Section.TEXT:
+            if not 0 <= layer < self.n_layers:
+                raise SchemaError(f"layer {layer} out of range 0..{self.n_layers - 1}")
+            if r not in self.layer_roles(layer):
+                raise SchemaError(f"layer {layer} ({self.mixer(layer)}/{self.ffn(layer)}) has no role {role}")
+        if expert is not None and not 0 <= expert < self.text.num_experts:
+            raise SchemaError(f"expert {expert} out of range 0..{self.text.num_experts - 1}")
+        for spec in self._specs(r, layer, expert):
+            if spec.part == part:
+                return spec.name
+        raise SchemaError(f"role {role} has no part {part!r}")
 
     def check_keys(self, keys: Iterable[str], where: str = "checkpoint") -> None:
         """Raise once, with counts and first examples, if keys differ from the schema."""

@@ -1,0 +1,151 @@
+"""Kimi Delta Attention, the linear-attention mixer of 69 of the 93 layers (spec/kimi-k3.md §3.3).
+
+(K1) c̃_t = SiLU( Σ_{i=0..3} W_conv_c[:,0,i] ⊙ u_c,t−3+i ),  u_c = W_c x,  c ∈ {q, k, v}
+(K2) q_t = q̃_t / sqrt(Σq̃_t² + 1e-6) · d^(−1/2);  k_t = k̃_t / sqrt(Σk̃_t² + 1e-6);  v_t = ṽ_t
+(K3) g_t[h,j] = −5 · σ( exp(A_log[h]) · (z_t[h,j] + dt_bias[h,j]) ),  z_t = W_fb W_fa x;  α_t = exp(g_t)
+(K4) β_t[h] = σ( (W_b x)[h] )
+(K5) S' = Diag(α_t) S_{t−1};  u = β_t (v_t − S'ᵀ k_t);  S_t = S' + k_t uᵀ;  o_t = S_tᵀ q_t
+(K6) y_t[h] = RMSNorm_{o_norm}(o_t[h]) ⊙ σ( (W_g x)[h] )
+(K7) KDA(x) = W_o · concat_h y_t[h]
+
+K5 has two forms. Decode uses the recurrence as written. Prefill uses the chunked form
+(chunk 64): inside a chunk starting from state S₀, with Γ_t = Σ_{s≤t} g_s (log-decay from the
+chunk start, per key channel) and D[t,s] = exp(Γ_t − Γ_s) for s ≤ t (always ≤ 1, so no
+overflow in FP32 even at the −5 lower bound),
+  (I + A) U = β ⊙ (V − (e^Γ ⊙ K) S₀),  A[t,s] = β_t Σ_j k_t[j] k_s[j] D[t,s,j]  (s < t)
+  O = (e^Γ ⊙ Q) S₀ + M U,               M[t,s] = Σ_j q_t[j] k_s[j] D[t,s,j]        (s ≤ t)
+  S_C = e^{Γ_C} ⊙ S₀ + Σ_s (e^{Γ_C − Γ_s} ⊙ k_s) u_sᵀ
+where U stacks the u_t of K5. This is K5 unrolled exactly (no approximation); the tests check
+it against fla-core's naive recurrent and naive chunk functions and against ``recurrent``.
+
+Precision: projections in the activation dtype; conv, L2 norm, gates and the delta rule in the
+state dtype (FP32; FP64 in the float64 policy); o is handed back in the activation dtype, as
+fla's kernels return the dtype of v. State layout S[h] = [dk, dv] (fla's layout; HF
+transposes it, spec §5.3).
+
+Legend: T tokens, D model width, H heads, K key dim, V value dim, P = H·K channels,
+W conv state rows (kernel − 1), C chunk length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3bundle.config import TextConfig
+from k3bundle.executor.cache import KDAState
+from k3bundle.executor.norms import linear, rms_norm
+
+L2_EPS = 1e-6  # (K2) inside the sqrt, as fla's l2norm (use_qk_l2norm_in_kernel)
+CHUNK = 64
+CONV_ROLES = (("kda.q_proj", "kda.q_conv"), ("kda.k_proj", "kda.k_conv"), ("kda.v_proj", "kda.v_conv"))
+
+
+def short_conv(u_TP: torch.Tensor, w_P1K: torch.Tensor, state_WP: torch.Tensor, c: torch.dtype):
+    """(K1) depthwise causal conv + SiLU; returns (c̃ [T, P], the extended input [W+T, P])."""
+    ext_SP = torch.cat([state_WP.to(u_TP.dtype), u_TP])  # rows t..t+3 of ext are u_{t-3}..u_t
+    win_TPK = ext_SP.unfold(0, w_P1K.shape[-1], 1)  # [T, P, kernel]; tap i=3 is the current token
+    # the conv kernels are F32 in the checkpoint: accumulate in the state dtype
+    out_TP = F.silu((win_TPK.to(c) * w_P1K[:, 0].to(c)).sum(-1))  # (K1)
+    return out_TP.to(u_TP.dtype), ext_SP
+
+
+def l2_normalise(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)  # (K2)
+
+
+def recurrent(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV):
+    """(K5) token by token; returns (o [T, H, V], final S)."""
+    o_THV = q_THK.new_empty(*v_THV.shape)
+    for t in range(q_THK.shape[0]):
+        S_HKV = g_THK[t].exp()[..., None] * S_HKV  # (K5) S' = Diag(α_t) S: decay rows = key channels
+        u_HV = beta_TH[t, :, None] * (v_THV[t] - torch.einsum("hk,hkv->hv", k_THK[t], S_HKV))  # (K5)
+        S_HKV = S_HKV + k_THK[t][..., None] * u_HV[:, None, :]  # (K5) S_t = S' + k uᵀ
+        o_THV[t] = torch.einsum("hk,hkv->hv", q_THK[t], S_HKV)  # (K5) read after the update
+    return o_THV, S_HKV
+
+
+def chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, chunk: int = CHUNK, boundaries=()):
+    """(K5) in chunks of ``chunk``; returns (o [T, H, V], final S, {n: S after n tokens})."""
+    q, k, v, g = (x.transpose(0, 1) for x in (q_THK, k_THK, v_THV, g_THK))  # [H, T, *]
+    beta_HT = beta_TH.T
+    o_HTV = v.new_empty(v.shape)
+    saved = {}
+    for s in range(0, q.shape[1], chunk):
+        e = min(s + chunk, q.shape[1])
+        q_c, k_c, v_c, b_HC = q[:, s:e], k[:, s:e], v[:, s:e], beta_HT[:, s:e]
+        C = e - s
+        G_HCK = g[:, s:e].cumsum(1)  # Γ_t: log-decay from the chunk start through t
+        lower_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        # pairwise decays masked *before* exp: every exponent is <= 0, so FP32 never overflows
+        D_HCCK = (G_HCK[:, :, None] - G_HCK[:, None, :]).masked_fill(~lower_CC[..., None], -torch.inf).exp()
+        A_HCC = (b_HC[..., None] * torch.einsum("htk,hsk,htsk->hts", k_c, k_c, D_HCCK)).tril(-1)  # (K5)
+        M_HCC = torch.einsum("htk,hsk,htsk->hts", q_c, k_c, D_HCCK)  # (K5) s <= t
+        rhs_HCV = b_HC[..., None] * (v_c - (k_c * G_HCK.exp()) @ S_HKV)  # (K5) β(v − S'ᵀk), S₀ part
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        U_HCV = torch.linalg.solve_triangular(A_HCC + eye, rhs_HCV, upper=False, unitriangular=True)  # (K5)
+        o_HTV[:, s:e] = (q_c * G_HCK.exp()) @ S_HKV + M_HCC @ U_HCV  # (K5) o_t = S_tᵀ q_t
+        decay_HK = G_HCK[:, -1]
+        S_HKV = decay_HK.exp()[..., None] * S_HKV + \
+            (k_c * (decay_HK[:, None] - G_HCK).exp()).transpose(1, 2) @ U_HCV  # (K5) S at chunk end
+        if e in boundaries:
+            saved[e] = S_HKV.clone()
+    return o_HTV.transpose(0, 1), S_HKV, saved
+
+
+def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bool = False,
+            chunk: int = CHUNK, boundaries=()) -> tuple[torch.Tensor, KDAState, dict[int, KDAState]]:
+    """KDA(x) for T new tokens after ``state``.
+
+    Args:
+        x_TD: the input_layernorm output, activation dtype.
+        W: the layer's weights by role ("kda.*").
+        decode: use the recurrence (else the chunked form).
+        boundaries: token counts (multiples of ``chunk``) at which to return state snapshots.
+
+    Returns:
+        (KDA(x) [T, D], state after the T tokens, {n: state after n tokens}).
+    """
+    T, act, c = x_TD.shape[0], x_TD.dtype, state.recurrent_HKV.dtype
+    H = W["kda.b_proj"].shape[0]  # heads from the weights: a TP rank may hold a slice
+    K = W["kda.q_proj"].shape[0] // H
+    V = W["kda.o_norm"].shape[0]
+    conv = []
+    for i, (proj, kernel) in enumerate(CONV_ROLES):
+        u_TP = linear(x_TD, W[proj])  # (K1) u_c = W_c x
+        conv.append(short_conv(u_TP, W[kernel], state.conv_3WP[i], c))  # (K1)
+    (qt_TP, ext_q), (kt_TP, ext_k), (vt_TP, ext_v) = conv
+    z_TP = linear(linear(x_TD, W["kda.f_a_proj"]), W["kda.f_b_proj"])  # (K3) z = W_fb W_fa x (low rank)
+    b_TH = linear(x_TD, W["kda.b_proj"])
+    g_TP = linear(x_TD, W["kda.g_proj"])
+    # K2-K5 and the gates run in the state dtype (FP32; FP64 under float64), as fla's kernels
+    # do with use_qk_l2norm / use_gate / use_beta_sigmoid_in_kernel
+    qt_THK, kt_THK, vt_THV, z_THK = (t.view(T, H, -1).to(c) for t in (qt_TP, kt_TP, vt_TP, z_TP))
+    a_H1 = W["kda.A_log"][:H].to(c).exp()[:, None]  # A_log is stored zero-padded to 128 (spec §2.5)
+    dt_HK = W["kda.dt_bias"].view(H, K).to(c)
+    lower = text.linear_attn_config.gate_lower_bound
+    q_THK = l2_normalise(qt_THK) * K ** -0.5  # (K2) L2 norm, then d^(-1/2)
+    k_THK = l2_normalise(kt_THK)  # (K2)
+    v_THV = vt_THV  # (K2) v_t = ṽ_t
+    g_THK = lower * torch.sigmoid(a_H1 * (z_THK + dt_HK))  # (K3) log α_t ∈ (−5, 0), dt_bias first
+    beta_TH = torch.sigmoid(b_TH.to(c))  # (K4)
+    if decode:
+        o_THV, S_HKV = recurrent(q_THK, k_THK, v_THV, g_THK, beta_TH, state.recurrent_HKV)  # (K5)
+        saved = {}
+    else:
+        o_THV, S_HKV, saved = chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, state.recurrent_HKV,
+                                      chunk, boundaries)  # (K5)
+    # the delta-rule kernel hands o back in the activation dtype (fla returns v's dtype)
+    o_THV = o_THV.to(act)
+    n_THV = rms_norm(o_THV, W["kda.o_norm"], text.rms_norm_eps)  # (K6) N1, F32 gain shared by heads
+    # the sigmoid gate multiplies in FP32 and rounds once to the activation dtype
+    n_THV, gate_THV = n_THV.to(c), g_TP.view(T, H, V).to(c)
+    y_THV = (n_THV * torch.sigmoid(gate_THV)).to(act)  # (K6) ⊙ σ(W_g x)
+    out_TD = W.reduce(linear(y_THV.reshape(T, H * V), W["kda.o_proj"]))  # (K7) row-parallel sum
+    win = state.conv_3WP.shape[1]
+
+    def conv_after(n: int) -> torch.Tensor:  # (K1) the last W pre-conv inputs after n tokens
+        return torch.stack([ext_q[n:n + win], ext_k[n:n + win], ext_v[n:n + win]])
+
+    snaps = {n: KDAState(S, conv_after(n)) for n, S in saved.items()}
+    return out_TD, KDAState(S_HKV, conv_after(T)), snaps

@@ -1,0 +1,71 @@
+"""Stable LatentMoE, the FFN of layers 1..92 (spec/kimi-k3.md §3.7, R1-R7).
+
+(R1) logits = W_router x in FP32 (router weight upcast);  s = σ(logits)
+(R2) I = top-k of (s + e_score_correction_bias)   (bias F32, selection only; torch.topk order)
+(R3) w_i = s_i / (Σ_{j∈I} s_j + 1e-20) · routed_scaling_factor   (unbiased scores)
+(R4) z = W_rdown x                                  (latent down, shared by all experts)
+(R5) r = Σ_{i∈I} w_i · E_i(z),  E_i = SiTU-GLU with w1 = gate, w3 = up, w2 = down (MXFP4)
+(R6) routed = W_rup · RMSNorm_{routed_expert_norm}(r)   (norm on the weighted sum)
+(R7) MoE(x) = routed + GLU_shared(x)                 (fused 2-wide shared expert, un-projected x)
+
+Routed experts are fetched one at a time through ``W.expert(e)`` (dequantized lazily by the
+weight source, only for experts some token selected) and dropped after use. The weighted sum
+r accumulates in FP32 (FP64 in the float64 policy), as a MoE combine kernel does, and is cast
+to the activation dtype before the norm.
+
+Legend: T tokens, D model width, E experts, K top-k, Lr latent width, I expert width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3bundle.config import TextConfig
+from k3bundle.executor.norms import compute_dtype, linear, rms_norm
+from k3bundle.executor.situ_glu import glu
+
+RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwise
+
+
+def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, text: TextConfig,
+          forced_TK: torch.Tensor | None = None):
+    """(R1-R3): (ids [T, K] in torch.topk order, weights [T, K] in the compute dtype).
+
+    ``forced_TK`` replaces the selection (R2) by given ids, e.g. a golden run's, so that a
+    comparison is not dominated by near-tie routing flips; the weights still follow R3.
+    """
+    c = compute_dtype(x_TD)
+    # the router runs in FP32 whatever the activation dtype (vLLM: replicated gate, FP32 output)
+    x_TD, w_router_ED, bias_E = x_TD.to(c), w_router_ED.to(c), bias_E.to(c)
+    logits_TE = linear(x_TD, w_router_ED)  # (R1)
+    s_TE = torch.sigmoid(logits_TE)  # (R1)
+    ids_TK = torch.topk(s_TE + bias_E, text.num_experts_per_token, dim=-1).indices  # (R2) biased
+    if forced_TK is not None:
+        ids_TK = forced_TK.to(ids_TK.device, torch.long)
+    s_TK = s_TE.gather(-1, ids_TK)  # (R3) the unbiased scores of the selected experts
+    w_TK = s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * text.routed_scaling_factor  # (R3)
+    return ids_TK, w_TK
+
+
+def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None):
+    """MoE(x) for the post_attention_layernorm output x; returns (out [T, D], ids, weights)."""
+    act, c = x_TD.dtype, compute_dtype(x_TD)
+    ids_TK, w_TK = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK)  # (R1-R3)
+    z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
+    r_TL = torch.zeros(z_TL.shape, dtype=c, device=z_TL.device)
+    for e in torch.unique(ids_TK).tolist():
+        E = W.expert(e)  # dequantized now, only because some token picked it
+        if E is None:  # owned by another expert-parallel rank
+            continue
+        tok_N, slot_N = (ids_TK == e).nonzero(as_tuple=True)
+        y_NL = glu(z_TL[tok_N], E["moe.expert.w1"], E["moe.expert.w3"], E["moe.expert.w2"], text)  # (R5) E_i(z)
+        # the combine accumulates in FP32; a token picks an expert at most once, so no repeats in tok_N
+        y_NL = y_NL.to(c)
+        r_TL[tok_N] += w_TK[tok_N, slot_N, None] * y_NL  # (R5) Σ w_i E_i(z)
+        del E
+    # the weighted sum is one tensor across EP/TP ranks before the norm (R6 needs all of r)
+    r_TL = W.reduce(r_TL).to(act)
+    routed_TD = linear(rms_norm(r_TL, W["moe.latent_norm"], text.rms_norm_eps), W["moe.latent_up"])  # (R6)
+    shared_TD = W.reduce(glu(x_TD, W["moe.shared.gate_proj"], W["moe.shared.up_proj"],
+                             W["moe.shared.down_proj"], text))  # (R7) on the un-projected x
+    return routed_TD + shared_TD, ids_TK, w_TK  # (R7)

@@ -1,0 +1,106 @@
+"""Gated Multi-head Latent Attention without positional encoding (spec/kimi-k3.md §3.4, M1-M5).
+
+(M1) c_q = RMSNorm_{q_a_layernorm}(W_qa x);  Q = W_qb c_q → [H, nope + rope] = [q_nope | q_pe]
+(M2) [c_kv | k_pe] = W_kva x;  ĉ_kv = RMSNorm_{kv_a_layernorm}(c_kv);  W_kvb ĉ_kv → [H, nope + v] = [k_nope | v]
+(M3) K_h = [k_nope_h ; k_pe]: k_pe shared by all heads; **no rotary embedding** (NoPE)
+(M4) o_h = softmax_causal( Q_h K_hᵀ · (nope + rope)^(−1/2) ) V_h   (192^(−1/2) at full scale)
+(M5) MLA(x) = W_o [ concat_h o_h ⊙ σ(W_g x) ]
+
+The cache holds, per token, the latent [ĉ_kv ‖ k_pe] (kv_lora + rope = 512 + 64 values). Both
+forms read it. ``naive`` expands K and V from the cache through W_kvb (prefill); ``absorbed``
+(decode, as vLLM/FlashMLA) never expands: with W_kvb split per head into W_UK [nope, kv_lora]
+and W_UV [v, kv_lora],
+  q_nopeᵀ k_nope,s = (W_UKᵀ q_nope)ᵀ ĉ_kv,s   and   o_h = W_UV Σ_s p_s ĉ_kv,s.
+Both are exact rewrites of M4 (tests/test_executor_blocks.py checks naive == absorbed).
+
+Precision: projections in the activation dtype; scores, softmax and the weighted sum in FP32
+(FP64 in the float64 policy) from activation-dtype operands; output cast back.
+
+Legend: T new tokens, S cached tokens (incl. the new ones), D model width, H heads,
+N nope dim, R rope dim, V value dim, L kv_lora rank, C = L + R latent width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3bundle.config import TextConfig
+from k3bundle.executor.cache import MLAState
+from k3bundle.executor.norms import compute_dtype, linear, rms_norm
+
+
+def project(x_TD: torch.Tensor, W, text: TextConfig):
+    """M1-M3 for the new tokens: (q_nope [T,H,N], q_pe [T,H,R], latent [T,C])."""
+    N, R, L = text.qk_nope_head_dim, text.qk_rope_head_dim, text.kv_lora_rank
+    T = x_TD.shape[0]
+    c_q = rms_norm(linear(x_TD, W["mla.q_a_proj"]), W["mla.q_a_norm"], text.rms_norm_eps)  # (M1)
+    Q_THE = linear(c_q, W["mla.q_b_proj"]).view(T, -1, N + R)  # (M1) per head [q_nope | q_pe]
+    ckv_kpe_TC = linear(x_TD, W["mla.kv_a_proj"])  # (M2) [c_kv | k_pe]
+    ckv_TL = rms_norm(ckv_kpe_TC[:, :L], W["mla.kv_a_norm"], text.rms_norm_eps)  # (M2) ĉ_kv
+    latent_TC = torch.cat([ckv_TL, ckv_kpe_TC[:, L:]], dim=-1)  # (M3) k_pe kept as is: no RoPE
+    return Q_THE[..., :N], Q_THE[..., N:], latent_TC
+
+
+def _causal_softmax(scores_HTS: torch.Tensor, offset: int) -> torch.Tensor:
+    """softmax over keys s <= offset + t (query t sits at absolute position offset + t)."""
+    T, S = scores_HTS.shape[-2:]
+    pos_T = torch.arange(T, device=scores_HTS.device)[:, None] + offset
+    allowed_TS = torch.arange(S, device=scores_HTS.device)[None, :] <= pos_T
+    return torch.softmax(scores_HTS.masked_fill(~allowed_TS, -torch.inf), dim=-1)  # (M4)
+
+
+def attend_naive(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:
+    """(M2-M4) with K and V expanded from the latent cache; returns o [T, H, V] (activation dtype)."""
+    N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
+    S, act, c = latent_SC.shape[0], q_nope.dtype, compute_dtype(q_nope)
+    kv_SHE = linear(latent_SC[:, :L], W["mla.kv_b_proj"]).view(S, -1, N + V)  # (M2) [k_nope | v]
+    H = kv_SHE.shape[1]
+    k_SHE = torch.cat([kv_SHE[..., :N], latent_SC[:, None, L:].expand(S, H, -1)], -1)  # (M3) shared k_pe
+    # scores, softmax and P·V in FP32 (FP64 under float64) from activation-dtype operands
+    q_THE, k_SHE, v_SHV = torch.cat([q_nope, q_pe], dim=-1).to(c), k_SHE.to(c), kv_SHE[..., N:].to(c)
+    scale = (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4) no YaRN mscale, no cap
+    scores_HTS = torch.einsum("the,she->hts", q_THE, k_SHE) * scale  # (M4) Q_h K_hᵀ · 192^(-1/2)
+    p_HTS = _causal_softmax(scores_HTS, offset)  # (M4)
+    o_THV = torch.einsum("hts,shv->thv", p_HTS, v_SHV)  # (M4) o_h = P V_h
+    return o_THV.to(act)
+
+
+def attend_absorbed(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:
+    """(M4) with W_UK/W_UV absorbed, reading only the latent cache; returns o [T, H, V]."""
+    N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
+    act, c = q_nope.dtype, compute_dtype(q_nope)
+    # the whole absorbed form runs in FP32 (FP64 under float64) from activation-dtype operands
+    w_HEL = W["mla.kv_b_proj"].view(-1, N + V, L).to(c)  # per head rows [k_nope (N) | v (V)]
+    ckv_SL, kpe_SR = latent_SC[:, :L].to(c), latent_SC[:, L:].to(c)
+    q_nope, q_pe = q_nope.to(c), q_pe.to(c)
+    q_lat_THL = torch.einsum("thn,hnl->thl", q_nope, w_HEL[:, :N])  # (M4) W_UKᵀ q_nope
+    scale = (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4)
+    scores_HTS = (torch.einsum("thl,sl->hts", q_lat_THL, ckv_SL)
+                  + torch.einsum("thr,sr->hts", q_pe, kpe_SR)) * scale  # (M4) q_nope·k_nope + q_pe·k_pe
+    p_HTS = _causal_softmax(scores_HTS, offset)  # (M4)
+    o_lat_THL = torch.einsum("hts,sl->thl", p_HTS, ckv_SL)  # (M4) Σ_s p_s ĉ_kv,s
+    o_THV = torch.einsum("thl,hvl->thv", o_lat_THL, w_HEL[:, N:])  # (M4) W_UV
+    return o_THV.to(act)
+
+
+def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: bool = False):
+    """MLA(x) for T new tokens; appends their latents to ``state`` (in place).
+
+    Args:
+        x_TD: the input_layernorm output, activation dtype.
+        absorbed: the decode form (else the naive prefill form); same result.
+
+    Returns:
+        (MLA(x) [T, D], the new tokens' latents [T, C]).
+    """
+    T, act, c = x_TD.shape[0], x_TD.dtype, compute_dtype(x_TD)
+    q_nope, q_pe, latent_TC = project(x_TD, W, text)
+    offset = state.length
+    latent_SC = state.append(latent_TC)
+    attend = attend_absorbed if absorbed else attend_naive
+    o_THV = attend(q_nope, q_pe, latent_SC, W, text, offset)  # (M4)
+    g_TP = linear(x_TD, W["mla.g_proj"])
+    # the sigmoid gate multiplies in FP32 and rounds once to the activation dtype
+    o_TP, g_TP = o_THV.reshape(T, -1).to(c), g_TP.to(c)
+    y_TP = (o_TP * torch.sigmoid(g_TP)).to(act)  # (M5) o ⊙ σ(W_g x)
+    return W.reduce(linear(y_TP, W["mla.o_proj"])), latent_TC  # (M5) W_o, row-parallel sum

@@ -1,0 +1,227 @@
+"""Where the executor's weights come from: one layer at a time, experts only when routed.
+
+The executor asks a ``WeightSource`` for tensors by **schema role** ("kda.q_proj",
+"moe.expert.w1", ...), never by name: the source resolves names through
+``k3bundle.schema.Schema.name``. A source returns *logical* tensors (MXFP4 experts
+dequantized, everything else as stored) converted to the dtype policy, on its device.
+
+Memory contract (design.md "Executor"): ``layer(l)`` reads that layer's non-expert tensors;
+the executor drops the ``LayerWeights`` before asking for the next layer, so peak memory is
+one layer. Routed experts are read and dequantized from MXFP4 only when the router selects
+them (``LayerWeights.expert(e)``) and freed after use, except for a small per-layer LRU that
+decode fills (the last ``expert_cache`` experts each layer used).
+
+Plug-in points for later sources (bundle files, merged TP shards, one TP/EP rank): implement
+``layer``, ``embed`` and ``global_tensor``. Block code reads head counts from weight shapes,
+never from the config, so a per-rank source may hand out local head slices; ``reduce`` (sum
+partial outputs over ranks: after row-parallel projections and the routed-expert sum) and
+``gather_vocab`` (join vocab-parallel logits) are identities in one process. ``expert(e)``
+returns ``None`` for an expert another rank owns.
+
+Dtype policy (name -> BF16-stored and MXFP4 weights / F32-stored tensors / activations /
+recurrent state):
+
+- ``float64``: f64 / f64 / f64 / f64 — tests; every stored value converts exactly.
+- ``float32``: f32 / f32 / f32 / f32 — goldens; exact upcast of every stored value.
+- ``bfloat16``: bf16 / f32 / bf16 / f32 — device emulation: weights as stored (MXFP4
+  dequantizes exactly into bf16), activations in bf16 between ops, statistics, gates,
+  softmax, router and KDA state in f32, as serving engines keep them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from k3bundle.config import K3Config
+from k3bundle.errors import K3Error
+from k3bundle.formats import mxfp4
+from k3bundle.schema import Format, Schema
+from k3bundle.schema.roles import ROLE_BY_NAME, Scope
+from k3bundle.source import SourceCheckpoint
+
+EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (spec §2.8)
+
+
+class ExecutorError(K3Error):
+    """The executor was asked for something impossible (bad token id, dtype, device)."""
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    name: str
+    weight: torch.dtype  # BF16-stored tensors and dequantized MXFP4 experts
+    f32: torch.dtype  # F32-stored tensors (A_log, dt_bias, conv kernels, o_norm, router bias)
+    act: torch.dtype  # activations between ops, conv state, MLA latent cache
+    state: torch.dtype  # KDA recurrent state (FP32 in every serving engine, spec §5.3)
+
+
+POLICIES = {
+    "float64": DtypePolicy("float64", torch.float64, torch.float64, torch.float64, torch.float64),
+    "float32": DtypePolicy("float32", torch.float32, torch.float32, torch.float32, torch.float32),
+    "bfloat16": DtypePolicy("bfloat16", torch.bfloat16, torch.float32, torch.bfloat16, torch.float32),
+}
+
+
+def policy(name: str | DtypePolicy) -> DtypePolicy:
+    if isinstance(name, DtypePolicy):
+        return name
+    if name not in POLICIES:
+        raise ExecutorError(f"dtype {name!r} is not one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+class LayerWeights(Mapping):
+    """One decoder layer's non-expert tensors by role, plus lazy access to its routed experts."""
+
+    def __init__(self, layer: int, tensors: dict[str, torch.Tensor],
+                 expert: Callable[[int], dict[str, torch.Tensor] | None] | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.layer = layer
+        self._tensors = tensors
+        self._expert = expert
+        self.reduce = reduce or (lambda x: x)
+
+    def __getitem__(self, role: str) -> torch.Tensor:
+        try:
+            return self._tensors[role]
+        except KeyError:
+            raise KeyError(f"layer {self.layer} has no tensor of role {role!r}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def expert(self, e: int) -> dict[str, torch.Tensor] | None:
+        """{"moe.expert.w1": gate [Ie, Lr], "...w3": up, "...w2": down [Lr, Ie]}, or None if not local."""
+        return self._expert(e) if self._expert else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+class WeightSource(ABC):
+    """What the executor needs from a checkpoint, a bundle or a rank of one."""
+
+    config: K3Config
+    policy: DtypePolicy
+    device: torch.device
+
+    @abstractmethod
+    def layer(self, layer: int, decode: bool = False) -> LayerWeights:
+        """Decoder layer ``layer``; ``decode`` lets it fill the per-layer expert cache."""
+
+    @abstractmethod
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [T, D] of token ids (E0), activation dtype."""
+
+    @abstractmethod
+    def global_tensor(self, role: str) -> torch.Tensor:
+        """final_norm, out_res.norm, out_res.proj, lm_head."""
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class SourceWeights(WeightSource):
+    """A ``SourceCheckpoint`` read through the schema, one layer at a time.
+
+    Args:
+        source (`SourceCheckpoint` or path): the checkpoint.
+        dtype (`str`): "float64", "float32" or "bfloat16" (see module docstring).
+        device (`str`): any torch device; tensors are read on CPU and moved once.
+        resident (`bool`): keep non-expert tensors after first use (fast decode of small models).
+        expert_cache (`int`, optional): experts kept per MoE layer for decode; default top-k,
+            reduced so that the whole cache stays under ``expert_cache_bytes``.
+    """
+
+    def __init__(self, source: SourceCheckpoint | str | Path, dtype: str = "float32",
+                 device: str | torch.device = "cpu", resident: bool = False,
+                 expert_cache: int | None = None, expert_cache_bytes: int = 512 << 20):
+        self.src = source if isinstance(source, SourceCheckpoint) else SourceCheckpoint(source)
+        self.config = self.src.config
+        self.schema: Schema = self.src.schema
+        self.policy = policy(dtype)
+        try:
+            self.device = torch.device(device)
+        except RuntimeError as e:
+            raise ExecutorError(f"bad device {device!r}: {e}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ExecutorError(f"device {device!r}: CUDA is not available on this machine")
+        self.resident = resident
+        self._resident: dict[tuple[str, int | None], torch.Tensor] = {}
+        t = self.config.text
+        per_expert = 3 * t.moe_intermediate_size * t.routed_expert_hidden_size * \
+            torch.empty(0, dtype=self.policy.weight).element_size()
+        fit = expert_cache_bytes // max(1, per_expert * max(1, len(t.moe_layers)))
+        self.expert_cache = min(t.num_experts_per_token, fit) if expert_cache is None else expert_cache
+        self._experts: dict[int, OrderedDict[int, dict[str, torch.Tensor]]] = {}
+        self.expert_reads = 0  # experts read + dequantized (a test/bench counter)
+
+    # ---- reads ----
+    def _convert(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        fmt = ROLE_BY_NAME[role].fmt
+        dtype = self.policy.f32 if fmt is Format.F32 else self.policy.weight
+        return t.to(device=self.device, dtype=dtype)
+
+    def _read(self, role: str, layer: int | None = None) -> torch.Tensor:
+        key = (role, layer)
+        if key in self._resident:
+            return self._resident[key]
+        t = self._convert(self.src.get(self.schema.name(role, layer)), role)
+        if self.resident:
+            self._resident[key] = t
+        return t
+
+    def _read_expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for role in EXPERT_ROLES:
+            packed = self.src.get(self.schema.name(role, layer, e, part="packed")).to(self.device)
+            scale = self.src.get(self.schema.name(role, layer, e, part="scale")).to(self.device)
+            out[role] = mxfp4.dequantize(packed, scale, self.policy.weight,
+                                         block=self.config.text.mxfp4_group)
+        self.expert_reads += 1
+        return out
+
+    # ---- WeightSource ----
+    def layer(self, layer: int, decode: bool = False) -> LayerWeights:
+        roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
+        tensors = {role: self._read(role, layer) for role in roles}
+        if not self.config.text.is_moe(layer):
+            return LayerWeights(layer, tensors, reduce=self.reduce)
+        cache = self._experts.setdefault(layer, OrderedDict())
+
+        def expert(e: int) -> dict[str, torch.Tensor]:
+            if e in cache:
+                cache.move_to_end(e)
+                return cache[e]
+            w = self._read_expert(layer, e)
+            if decode and self.expert_cache > 0:
+                cache[e] = w
+                while len(cache) > self.expert_cache:
+                    cache.popitem(last=False)
+            return w
+
+        return LayerWeights(layer, tensors, expert, reduce=self.reduce)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        name = self.schema.name("embed")
+        rows = [self.src.get_rows(name, i, i + 1) for i in ids.tolist()]
+        return self._convert(torch.cat(rows), "embed").to(self.policy.act)
+
+    def global_tensor(self, role: str) -> torch.Tensor:
+        return self._read(role)
+
+    def close(self) -> None:
+        self.src.close()
