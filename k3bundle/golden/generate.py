@@ -1,0 +1,146 @@
+"""``k3bundle golden``: run the executor in high precision over the case suite.
+
+For each runnable case: build its ids (chat rendering with the checkpoint's tokenizer), run a
+teacher-forced prefill with every tap recorded at the case's positions, snapshot KDA states at
+chunk boundaries, then continue greedily for ``steps`` tokens recording the step logits and
+the per-step state (KDA recurrent state, the newest MLA latent row) for drift checks.
+
+Files (``docs/golden.md``): ``golden_inputs.npz`` (ids, greedy tokens, metadata) and
+``golden_intermediates.npz`` (zstd; taps, states, logits), both carrying the seed, the
+k3bundle version and the content hash of the intermediates; plus ``tolerances.yaml`` copied
+from ``tolerances/NAME.yaml``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3bundle import __version__
+from k3bundle.executor import Executor, SourceWeights, TapRecorder
+from k3bundle.executor.cache import KDAState, MLAState
+from k3bundle.golden.cases import Case, load_cases
+from k3bundle.golden.store import content_hash, meta_array, write_npz
+from k3bundle.golden.tolerances import tolerance_path
+from k3bundle.tokenizer import load_tiktoken
+
+MAX_CHUNK_SNAPSHOTS = 8  # KDA states kept per case at evenly spaced chunk boundaries
+
+
+@dataclass(frozen=True)
+class GoldenResult:
+    out: Path
+    cases: list[dict]  # per case: name, kind, status ("ok" / "not run"), tokens, positions, reason
+    content_hash: str
+    bytes_intermediates: int
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _chunk_boundaries(length: int, chunk: int) -> list[int]:
+    grid = list(range(chunk, length + 1, chunk))
+    if len(grid) <= MAX_CHUNK_SNAPSHOTS:
+        return grid
+    step = len(grid) / MAX_CHUNK_SNAPSHOTS
+    return sorted({grid[int((i + 1) * step) - 1] for i in range(MAX_CHUNK_SNAPSHOTS)})
+
+
+def run_case(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
+    """The golden arrays of one case, keys relative to the case (``tap``, ``positions``, ...)."""
+    text = weights.config.text
+    positions = case.taps.positions(len(ids))
+    decode_positions = list(range(len(ids), len(ids) + max(case.steps - 1, 0)))
+    rec = TapRecorder(positions=positions + decode_positions)
+    ex = Executor(weights, taps=rec)
+    bounds = _chunk_boundaries(len(ids), ex.chunk)
+    logits_TV, cache = ex.prefill(ids, snapshot_at=bounds)
+    out: dict[str, np.ndarray] = {"positions": np.asarray(positions, dtype=np.int64)}
+    for name in rec.names():  # per-position taps at prompt positions, and states after prefill
+        value = rec[name]
+        if name.endswith(("kda_state", "kda_conv")):
+            out[name] = _np(value)
+        elif name.endswith("mla_latent"):
+            out[name] = _np(value[positions])  # latent rows at the tapped positions only
+        else:
+            out[name] = _np(value[: len(positions)])
+    out["chunk_positions"] = np.asarray(bounds, dtype=np.int64)
+    for l in text.kda_layers:
+        if bounds:
+            out[f"chunk_states.layers.{l}.kda_state"] = np.stack(
+                [_np(cache.snapshots[b].layers[l].recurrent_HKV) for b in bounds])
+
+    # greedy continuation: token i is the argmax of the logits before it (row 0 = prefill's last)
+    tokens, step_rows, states = [], [logits_TV[-1]], {l: [] for l in range(text.num_hidden_layers)}
+    for i in range(case.steps):
+        tokens.append(int(torch.argmax(step_rows[-1])))
+        if i + 1 < case.steps:
+            step_rows.append(ex.decode(tokens[-1], cache))
+            for l, s in enumerate(cache.layers):
+                states[l].append(s.recurrent_HKV if isinstance(s, KDAState) else s.latent_SC[-1])
+    out["greedy_tokens"] = np.asarray(tokens, dtype=np.int64)
+    out["step_logits"] = _np(torch.stack(step_rows[: case.steps])) if case.steps else np.zeros((0, text.vocab_size), np.float32)
+    for l, rows in states.items():
+        if rows:
+            kind = "mla_latent" if isinstance(cache.layers[l], MLAState) else "kda_state"
+            out[f"decode_states.layers.{l}.{kind}"] = np.stack([_np(r) for r in rows])
+    for name in rec.names():  # per-position taps at decode positions (the device's decode path)
+        if not name.endswith(("kda_state", "kda_conv", "mla_latent")) and len(decode_positions):
+            out[f"decode.{name}"] = _np(rec[name][len(positions):])
+    return out
+
+
+def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
+                     dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
+                     long_tokens: int | None = None, seed: int = 0,
+                     progress: Callable[[int, int, str], None] | None = None) -> GoldenResult:
+    """Write the golden files for ``source`` (a checkpoint directory) into ``out``."""
+    source = Path(source)
+    out = Path(out) if out else source / "validation"
+    torch.manual_seed(seed)
+    cases = load_cases(cases_dir)
+    tol_file = tolerance_path(tolerance)
+    encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
+    weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
+
+    inputs: dict[str, np.ndarray] = {}
+    inter: dict[str, np.ndarray] = {}
+    summary = []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(i, len(cases), case.name)
+        entry = {"name": case.name, "kind": case.kind, "description": case.description,
+                 "steps": case.steps, "source": Path(case.source).name}
+        if not case.runnable:
+            summary.append({**entry, "status": "not run", "reason": case.not_run_reason})
+            continue
+        ids = case.build_ids(encoding, long_tokens if case.kind == "long_context" else None)
+        arrays = run_case(weights, case, ids)
+        inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
+        inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
+        for k, v in arrays.items():
+            inter[f"{case.name}/{k}"] = v
+        summary.append({**entry, "status": "ok", "tokens": len(ids),
+                        "tapped_positions": int(arrays["positions"].size),
+                        "all_positions": bool(case.taps.all or arrays["positions"].size == len(ids))})
+    if progress:
+        progress(len(cases), len(cases), "")
+
+    digest = content_hash(inter)
+    meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,
+            "device": str(weights.device), "tolerance": tol_file.name, "content_hash": digest,
+            "cases": summary, "source": str(source.resolve()), "chunk": 64}
+    out.mkdir(parents=True, exist_ok=True)
+    inter["__meta__"] = meta_array(meta)
+    inputs["__meta__"] = meta_array(meta)
+    write_npz(out / "golden_intermediates.npz", inter, compress=True)
+    write_npz(out / "golden_inputs.npz", inputs)
+    shutil.copyfile(tol_file, out / "tolerances.yaml")
+    return GoldenResult(out, summary, digest, (out / "golden_intermediates.npz").stat().st_size)

@@ -1,0 +1,119 @@
+"""Tolerance files (``tolerances/NAME.yaml``): thresholds per tap kind and numeric format.
+
+A file has five sections (docs/validation.md explains each number's origin):
+- ``added``: the error one layer adds when fed the golden input (teacher-forced), per tap kind;
+- ``inherited``: the error a free-running device run carries to each tap;
+- ``logits``: KL divergence mean / p99 and top-1 agreement against the golden distribution;
+- ``router``: expert-set agreement and the near-tie margin that exempts a flip;
+- ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift.
+
+Per-tap sections map a tap kind (the last part of a tap name: ``mixer_out``, ``ffn_out``,
+``attn_res_out``, ``ffn_res_out``, ``final_hidden``, ``logits``, ``kda_state``, ``mla_latent``,
+``embed``, ``router_weights``) or ``default`` to metric limits (``nmse`` max, ``cosine`` min,
+``max_abs`` max). Unknown sections, kinds or metrics are errors: a typo must not silently
+loosen a gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from k3bundle.errors import K3Error
+
+TAP_KINDS = ("embed", "attn_res_out", "mixer_out", "ffn_res_out", "ffn_out", "router_weights",
+             "final_hidden", "logits", "kda_state", "kda_conv", "mla_latent")
+METRICS = {"nmse": "max", "cosine": "min", "max_abs": "max"}
+SECTIONS = {
+    "added": None, "inherited": None,
+    "logits": {"kld_mean", "kld_p99", "top1"},
+    "router": {"expert_set", "near_tie_eps"},
+    "greedy": {"near_tie_margin"},
+    "state": {"drift_nmse"},
+}
+
+
+class ToleranceError(K3Error):
+    """A tolerance file is malformed."""
+
+
+def tap_kind(name: str) -> str:
+    """``layers.3.mixer_out`` -> ``mixer_out``; ``decode.logits`` -> ``logits``."""
+    return name.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    name: str
+    added: dict[str, dict[str, float]]
+    inherited: dict[str, dict[str, float]]
+    logits: dict[str, float]
+    router: dict[str, float]
+    greedy: dict[str, float]
+    state: dict[str, float]
+    path: str = ""
+
+    def limits(self, section: str, tap: str) -> dict[str, float]:
+        """Limits for a tap: its kind's entry over the section's ``default``."""
+        table = getattr(self, section)
+        return {**table.get("default", {}), **table.get(tap_kind(tap), {})}
+
+
+def tolerance_dirs() -> list[Path]:
+    here = Path(__file__).resolve()
+    return [d for d in (here.parents[2] / "tolerances", here.parents[1] / "_data" / "tolerances") if d.is_dir()]
+
+
+def tolerance_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    for d in tolerance_dirs():
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    known = sorted({f.stem for d in tolerance_dirs() for f in d.glob("*.yaml")})
+    raise ToleranceError(f"tolerance set {name!r} not found; available: {', '.join(known)}")
+
+
+def _num(v, where: str, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ToleranceError(f"{path}: {where} must be a number, got {v!r}")
+    return float(v)
+
+
+def load_tolerances(path: str | Path) -> Tolerances:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ToleranceError(f"{path}: cannot read: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != 1:
+        raise ToleranceError(f"{path}: must be a mapping with schema_version: 1")
+    unknown = sorted(set(data) - set(SECTIONS) - {"schema_version", "format", "description"})
+    if unknown:
+        raise ToleranceError(f"{path}: unknown section {unknown[0]!r} (known: {', '.join(SECTIONS)})")
+    out = {}
+    for section, keys in SECTIONS.items():
+        body = data.get(section) or {}
+        if not isinstance(body, dict):
+            raise ToleranceError(f"{path}: {section} must be a mapping")
+        if keys is None:
+            table = {}
+            for kind, limits in body.items():
+                if kind != "default" and kind not in TAP_KINDS:
+                    raise ToleranceError(f"{path}: {section}.{kind} is not a tap kind ({', '.join(TAP_KINDS)})")
+                if not isinstance(limits, dict):
+                    raise ToleranceError(f"{path}: {section}.{kind} must map metrics to limits")
+                bad = sorted(set(limits) - set(METRICS))
+                if bad:
+                    raise ToleranceError(f"{path}: {section}.{kind}.{bad[0]} is not a metric ({', '.join(METRICS)})")
+                table[kind] = {m: _num(v, f"{section}.{kind}.{m}", str(path)) for m, v in limits.items()}
+            out[section] = table
+        else:
+            bad = sorted(set(body) - keys)
+            if bad:
+                raise ToleranceError(f"{path}: {section}.{bad[0]} is not one of {', '.join(sorted(keys))}")
+            out[section] = {k: _num(v, f"{section}.{k}", str(path)) for k, v in body.items()}
+    return Tolerances(name=str(data.get("format", path.stem)), path=str(path), **out)
