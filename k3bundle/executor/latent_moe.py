@@ -28,8 +28,11 @@ RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwi
 
 
 def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, text: TextConfig,
-          forced_TK: torch.Tensor | None = None):
+          forced_TK: torch.Tensor | None = None, margin: bool = False):
     """(R1-R3): (ids [T, K] in torch.topk order, weights [T, K] in the compute dtype).
+
+    With ``margin``, also the selection margin [T]: the biased score of the k-th expert minus
+    that of the (k+1)-th. A comparison exempts a routing flip where this margin is tiny.
 
     ``forced_TK`` replaces the selection (R2) by given ids, e.g. a golden run's, so that a
     comparison is not dominated by near-tie routing flips; the weights still follow R3.
@@ -39,18 +42,21 @@ def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, t
     x_TD, w_router_ED, bias_E = x_TD.to(c), w_router_ED.to(c), bias_E.to(c)
     logits_TE = linear(x_TD, w_router_ED)  # (R1)
     s_TE = torch.sigmoid(logits_TE)  # (R1)
-    ids_TK = torch.topk(s_TE + bias_E, text.num_experts_per_token, dim=-1).indices  # (R2) biased
+    k = text.num_experts_per_token
+    top = torch.topk(s_TE + bias_E, min(k + 1, s_TE.shape[-1]), dim=-1)  # (R2) biased, one extra for the margin
+    ids_TK = top.indices[:, :k]
+    margin_T = top.values[:, k - 1] - top.values[:, k] if top.values.shape[-1] > k else top.values[:, k - 1]
     if forced_TK is not None:
         ids_TK = forced_TK.to(ids_TK.device, torch.long)
     s_TK = s_TE.gather(-1, ids_TK)  # (R3) the unbiased scores of the selected experts
     w_TK = s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * text.routed_scaling_factor  # (R3)
-    return ids_TK, w_TK
+    return (ids_TK, w_TK, margin_T) if margin else (ids_TK, w_TK)
 
 
 def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None):
-    """MoE(x) for the post_attention_layernorm output x; returns (out [T, D], ids, weights)."""
+    """MoE(x) for the post_attention_layernorm output x; returns (out [T, D], ids, weights, margin)."""
     act, c = x_TD.dtype, compute_dtype(x_TD)
-    ids_TK, w_TK = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK)  # (R1-R3)
+    ids_TK, w_TK, margin_T = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK, margin=True)  # (R1-R3)
     z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
     r_TL = torch.zeros(z_TL.shape, dtype=c, device=z_TL.device)
     for e in torch.unique(ids_TK).tolist():
@@ -68,4 +74,4 @@ def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | N
     routed_TD = linear(rms_norm(r_TL, W["moe.latent_norm"], text.rms_norm_eps), W["moe.latent_up"])  # (R6)
     shared_TD = W.reduce(glu(x_TD, W["moe.shared.gate_proj"], W["moe.shared.up_proj"],
                              W["moe.shared.down_proj"], text))  # (R7) on the un-projected x
-    return routed_TD + shared_TD, ids_TK, w_TK  # (R7)
+    return routed_TD + shared_TD, ids_TK, w_TK, margin_T  # (R7)

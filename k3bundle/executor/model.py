@@ -151,9 +151,10 @@ class Executor:
             if t.is_moe(l):
                 forced = self.forced_routes.get(f"layers.{l}.router_ids")
                 forced = None if forced is None else forced[start:start + ids_T.shape[0]]
-                f_TD, ids_TK, w_TK = latent_moe.forward(m_TD, W, t, forced)  # (R1-R7)
+                f_TD, ids_TK, w_TK, margin_T = latent_moe.forward(m_TD, W, t, forced)  # (R1-R7)
                 self._tap(f"layers.{l}.router_ids", ids_TK, start)
                 self._tap(f"layers.{l}.router_weights", w_TK, start)
+                self._tap(f"layers.{l}.router_margin", margin_T, start)
             else:
                 f_TD = situ_glu.dense(m_TD, W, t)  # (D1)
             self._tap(f"layers.{l}.ffn_out", f_TD, start)

@@ -13,6 +13,7 @@ Per-position taps (one row per recorded position, leading axis = position):
 | ``layers.{l}.ffn_res_out`` | AttnRes output before the FFN, y of A2 step 5 (pre post_attention_layernorm) | [D] |
 | ``layers.{l}.router_ids`` | selected experts, torch.topk order (R2); MoE layers | [K] int64 |
 | ``layers.{l}.router_weights`` | their renormalised weights (R3), compute dtype | [K] |
+| ``layers.{l}.router_margin`` | biased score of the k-th minus the (k+1)-th expert (R2): near-tie measure | [] |
 | ``layers.{l}.ffn_out`` | the FFN output f (D1 / R7) | [D] |
 | ``final_hidden`` | h_final, the output AttnRes (before the final norm) | [D] |
 | ``logits`` | F1, compute dtype | [V] |
@@ -38,7 +39,8 @@ import numpy as np
 import torch
 
 PER_POSITION = ("embed", "layers.{l}.attn_res_out", "layers.{l}.mixer_out", "layers.{l}.ffn_res_out",
-                "layers.{l}.router_ids", "layers.{l}.router_weights", "layers.{l}.ffn_out",
+                "layers.{l}.router_ids", "layers.{l}.router_weights", "layers.{l}.router_margin",
+                "layers.{l}.ffn_out",
                 "final_hidden", "logits")
 STATES = ("layers.{l}.kda_state", "layers.{l}.kda_conv", "layers.{l}.mla_latent")
 
@@ -49,7 +51,7 @@ def tap_names(num_layers: int, is_mla, is_moe) -> list[str]:
     for l in range(num_layers):
         names += [f"layers.{l}.attn_res_out", f"layers.{l}.mixer_out", f"layers.{l}.ffn_res_out"]
         if is_moe(l):
-            names += [f"layers.{l}.router_ids", f"layers.{l}.router_weights"]
+            names += [f"layers.{l}.router_ids", f"layers.{l}.router_weights", f"layers.{l}.router_margin"]
         names.append(f"layers.{l}.ffn_out")
         names += [f"layers.{l}.mla_latent"] if is_mla(l) else [f"layers.{l}.kda_state", f"layers.{l}.kda_conv"]
     return names + ["final_hidden", "logits"]
