@@ -1,0 +1,112 @@
+"""``weights.index.json``: every device tensor -> rank, file, key, dtype, shape, byte range, source.
+
+One entry per device tensor (sorted by rank, file, key). ``source`` names the source file (its
+sha256 is in the top-level ``source_files`` table), the source key, the logical slice taken
+(``rows``/``cols`` of the dequantized tensor, padding appended after it), the transform, and for
+MXFP4 sources the scale key and the slice of it. A stacked expert tensor's source is a family:
+``key_template`` with ``{eid}``, ``experts`` [first, stop) and ``expert_stride`` (bytes per
+expert in the device tensor). ``scale`` names the device tensors holding a quantized part's
+scales. The file is written streaming (full K3 has tens of thousands of entries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from k3bundle.bundle.common import BundleError, read_json
+from k3bundle.formats import mxfp4
+from k3bundle.plan import Plan
+from k3bundle.plan.files import DeviceTensor, OutFile, shard_files
+from k3bundle.plan.storage import storage_name
+
+INDEX_NAME = "weights.index.json"
+INDEX_SCHEMA_VERSION = 1
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
+
+def tensor_entry(plan: Plan, f: OutFile, d: DeviceTensor, offset: int) -> dict:
+    """The index entry of one device tensor at data offset ``offset`` of file ``f``."""
+    t, dp, schema = d.target, d.part, plan.schema
+    logical = list(schema.logical_shape(t.role))
+    rows = [t.start, t.stop] if t.split in ("rows", "none") else [0, logical[0]]
+    if t.role.padded and t.split == "none":
+        rows = [0, schema.dims[t.role.unit]]
+    cols = [t.start, t.stop] if t.split == "cols" else ([0, logical[1]] if len(logical) > 1 else None)
+    storage = storage_name(t.rule, t.role)
+    src_part = dp.source_part or {"nvfp4": "scale" if dp.part == "scale" else "packed"}.get(storage, "weight")
+    src: dict = {"file": f.shard, "logical_shape": logical, "rows": rows, "cols": cols}
+    if t.split == "rows" and t.pad:
+        src["pad_rows"] = t.pad
+    if t.split == "cols" and t.pad:
+        src["pad_cols"] = t.pad
+    mx_source = storage in ("mxfp4", "nvfp4")
+    suffixes = {"packed": ".weight_packed", "scale": ".weight_scale"}
+    if d.stacked:
+        src["key_template"] = schema.expert_name_template(t.role, t.layer, suffixes[src_part])
+        src["experts"] = list(t.experts)
+        src["expert_stride"] = dp.nbytes
+        if mx_source:
+            src["scale"] = {"key_template": schema.expert_name_template(t.role, t.layer, suffixes["scale"])}
+    else:
+        specs = {s.part: s for s in schema.specs(t.role, t.layer, d.expert)}
+        src["key"] = specs[src_part].name
+        if mx_source:
+            src["scale"] = {"key": specs["scale"].name}
+    if mx_source:
+        c0, c1 = cols
+        src["scale"].update({"rows": rows, "cols": [c0 // mxfp4.BLOCK, c1 // mxfp4.BLOCK]})
+    entry = {
+        "rank": f.rank, "file": f.path, "key": d.name, "dtype": d.dtype, "shape": list(d.shape),
+        "byte_range": [f.data_start + offset, f.data_start + offset + d.nbytes],
+        "role": t.role.role, "layer": t.layer, "storage": storage, "part": dp.part,
+        "transform": dp.transform, "source": src,
+    }
+    if dp.part in ("packed", "weight") and storage not in ("source",):
+        names = {p.part: p for p in plan.parts(t)}
+        scale = {}
+        for part, field in (("scale", "device_key"), ("global_scale", "device_global_key")):
+            if part in names:
+                scale[field] = schema.device_name(t.role, t.layer, None if d.stacked else d.expert,
+                                                  names[part].suffix, stacked=d.stacked)
+        entry["scale"] = scale
+    return entry
+
+
+def iter_entries(plan: Plan, files: Iterable[OutFile]) -> Iterator[dict]:
+    for f in files:
+        for d, off in zip(f.tensors, f.offsets):
+            yield tensor_entry(plan, f, d, off)
+
+
+def write_index(path: str | Path, plan: Plan, source_files: dict[str, dict]) -> tuple[int, int]:
+    """Write ``weights.index.json`` (temp + rename); return (entries, bytes)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    files = sorted((f for shard in plan.shards for f in shard_files(plan, shard)),
+                   key=lambda f: (f.rank, f.path))
+    head = {"schema_version": INDEX_SCHEMA_VERSION, "kind": "k3bundle.weights_index",
+            "target": plan.layout.name, "world": len(plan.ranks),
+            "source_files": {k: source_files[k] for k in sorted(source_files)}}
+    n = 0
+    with open(tmp, "w", encoding="utf-8", newline="\n") as out:
+        text = _dumps(head)
+        out.write(text[:-1] + ',"tensors":[\n')
+        for entry in iter_entries(plan, files):
+            out.write(("" if n == 0 else ",\n") + _dumps(entry))
+            n += 1
+        out.write("\n]}\n")
+    os.replace(tmp, path)
+    return n, path.stat().st_size
+
+
+def read_index(path: str | Path) -> dict:
+    doc = read_json(path, "k3bundle.weights_index", INDEX_SCHEMA_VERSION)
+    if not isinstance(doc.get("tensors"), list):
+        raise BundleError(f"{path}: 'tensors' is missing or not a list")
+    return doc

@@ -1,0 +1,334 @@
+"""``k3bundle verify``: prove a bundle is what its manifest says, and (with the source) what it must be.
+
+Always:
+  1. every file of the manifest exists with its size and sha256 (each re-hashed); no unlisted
+     files (``validation/`` and ``reports/`` are written later by other commands);
+  2. ``weights.index.json`` agrees with every device file's header (key, dtype, shape, bytes).
+
+With ``--source``:
+  3. every source file the manifest records re-hashes to its sha256;
+  4. every rank file is re-derived from the source (the conversion re-run into a scratch directory,
+     one source file at a time) and must be byte-identical to the bundle's; so must
+     ``weights.index.json``, ``graph_manifest.json``, ``layout.yaml`` and the copied files;
+  5. reassembly: for every pass-through source tensor (``copy`` / ``swizzle-128x4``), the rank
+     slices named by ``weights.index.json`` — un-swizzled, padding dropped — tile the tensor and
+     reproduce its bytes exactly. This check reads the index and the files, not the converter's
+     code, so it is an independent proof of the placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3bundle.bundle.common import json_bytes, sha256_file
+from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
+from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
+from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
+from k3bundle.bundle.trace import _source_key
+from k3bundle.errors import K3Error
+from k3bundle.formats import mxfp4
+from k3bundle.formats.scale_swizzle import unswizzle
+from k3bundle.io import SafetensorsFile, read_header
+from k3bundle.io.dtypes import dtype_bits
+from k3bundle.plan.storage import EXACT_TRANSFORMS
+
+CHUNK = 64 << 20
+MAX_PROBLEMS = 50
+
+
+@dataclass
+class VerifyReport:
+    bundle: str
+    files: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    source_checked: bool = False
+    source_files: int = 0
+    rederived_files: int = 0
+    reassembled_tensors: int = 0
+    reassembled_slices: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def fail(self, message: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(message)
+        elif len(self.problems) == MAX_PROBLEMS:
+            self.problems.append("... more problems not shown")
+
+
+def _listed_files(bundle: Path, manifest: dict, report: VerifyReport) -> dict[str, str]:
+    actual: dict[str, str] = {}
+    for f in manifest["files"]:
+        p = bundle / f["path"]
+        if not p.is_file():
+            report.fail(f"{f['path']}: missing")
+            continue
+        sha, size = sha256_file(p)
+        actual[f["path"]] = sha
+        report.files += 1
+        report.bytes += size
+        if size != f["size"]:
+            report.fail(f"{f['path']}: {size} bytes, manifest says {f['size']}")
+        elif sha != f["sha256"]:
+            report.fail(f"{f['path']}: sha256 {sha} does not match the manifest ({f['sha256']})")
+    listed = {f["path"] for f in manifest["files"]} | {MANIFEST_NAME}
+    for p in sorted(bundle.rglob("*")):
+        rel = p.relative_to(bundle).as_posix()
+        if p.is_file() and rel not in listed and rel.split("/")[0] not in LATER_DIRS:
+            report.fail(f"{rel}: not listed in the manifest")
+    return actual
+
+
+def _check_index(bundle: Path, index: dict, report: VerifyReport) -> None:
+    by_file: dict[str, list[dict]] = {}
+    for e in index["tensors"]:
+        by_file.setdefault(e["file"], []).append(e)
+    for path, entries in sorted(by_file.items()):
+        try:
+            h = read_header(bundle / path)
+        except (K3Error, OSError) as err:
+            report.fail(f"{path}: {err}")
+            continue
+        if len(h.tensors) != len(entries):
+            report.fail(f"{path}: {len(h.tensors)} tensors in the file, {len(entries)} in {INDEX_NAME}")
+        for e in entries:
+            info = h.tensors.get(e["key"])
+            if info is None:
+                report.fail(f"{path}: {INDEX_NAME} lists {e['key']}, the file lacks it")
+            elif (info.dtype, list(info.shape), [info.abs_begin, info.abs_end]) != (e["dtype"], e["shape"],
+                                                                                   e["byte_range"]):
+                report.fail(f"{path}: {e['key']} is {info.dtype} {list(info.shape)} at "
+                            f"[{info.abs_begin}, {info.abs_end}), {INDEX_NAME} says {e['dtype']} {e['shape']} "
+                            f"at {e['byte_range']}")
+
+
+def verify(bundle: str | Path, source: str | Path | None = None,
+           progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
+    """Verify ``bundle`` (see the module docstring); problems are collected, not raised."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    report = VerifyReport(str(bundle))
+    actual = _listed_files(bundle, manifest, report)
+    index = read_index(bundle / INDEX_NAME)
+    _check_index(bundle, index, report)
+    if source is not None:
+        _verify_source(bundle, Path(source), manifest, index, actual, report, progress)
+    return report
+
+
+# ------------------------------------------------------------------------------------------
+# with the source
+
+
+def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actual: dict[str, str],
+                   report: VerifyReport, progress) -> None:
+    from k3bundle.convert.run import LAYOUT_PATH, plan_for_source  # convert imports bundle: import late
+    from k3bundle.convert.unit import build_unit, run_unit
+    from k3bundle.layouts import load_layout
+    from k3bundle.source import SourceCheckpoint
+
+    report.source_checked = True
+    recorded = {f["path"]: f for f in manifest["source"]["files"]}
+    src = SourceCheckpoint(source)
+    layout = load_layout(str(bundle / LAYOUT_PATH))
+    plan = plan_for_source(src, layout)
+    if plan.layout.to_yaml() != (bundle / LAYOUT_PATH).read_bytes():
+        report.fail(f"{LAYOUT_PATH}: re-resolving it against {source} gives a different layout")
+    listed = {f["path"]: f for f in manifest["files"]}
+    # 3 + 4: re-derive every unit in a scratch directory beside the bundle, one source file at a time
+    parent = bundle.resolve().parent  # beside the bundle (same file system), never inside it
+    scratch = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.verify-",
+                                    dir=parent if os.access(parent, os.W_OK) else None))
+    shard_digests: dict[str, dict] = {}
+    try:
+        total = len(plan.shards)
+        for n, shard in enumerate(plan.shards):
+            if progress:
+                progress(n, total, shard)
+            want = recorded.get(shard)
+            work = build_unit(plan, shard, want["sha256"] if want else None)
+            try:
+                r = run_unit(work, source, scratch)
+            except K3Error as e:
+                report.fail(f"{shard}: {e}")
+                continue
+            report.source_files += 1
+            shard_digests[shard] = {"sha256": r.sha256, "size": r.size}
+            for path, sha, size in r.outputs:
+                report.rederived_files += 1
+                if path not in listed:
+                    report.fail(f"{path}: re-derived from {shard} but not in the manifest")
+                elif sha != listed[path]["sha256"] or sha != actual.get(path):
+                    report.fail(_first_difference(bundle / path, scratch / path, path, index))
+            shutil.rmtree(scratch / "device_weights", ignore_errors=True)
+        if progress:
+            progress(total, total, "")
+        for name, f in recorded.items():
+            if name in shard_digests or not f.get("read_by_convert") or not (source / name).is_file():
+                continue
+            sha, _ = sha256_file(source / name)
+            report.source_files += 1
+            if sha != f["sha256"]:
+                report.fail(f"source {name}: sha256 {sha} does not match the manifest ({f['sha256']})")
+        if len(shard_digests) == len(plan.shards):
+            write_index(scratch / INDEX_NAME, plan, shard_digests)
+            _same(report, INDEX_NAME, sha256_file(scratch / INDEX_NAME)[0], actual)
+        _same(report, GRAPH_NAME, hashlib.sha256(json_bytes(graph_manifest(plan))).hexdigest(), actual)
+        for path, f in listed.items():  # copied files: byte-identical to the source's
+            name = path.rsplit("/", 1)[-1]
+            if not path.startswith("device_weights/") and path not in (INDEX_NAME, GRAPH_NAME):
+                if (source / name).is_file():
+                    _same(report, path, sha256_file(source / name)[0], actual)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    # 5: reassembly of every pass-through tensor from the rank slices
+    _reassemble(bundle, source, index, src.schema, report)
+
+
+def _same(report: VerifyReport, path: str, sha: str, actual: dict[str, str]) -> None:
+    if actual.get(path) != sha:
+        report.fail(f"{path}: differs from what the source and layout give (sha256 {sha})")
+
+
+def _first_difference(a: Path, b: Path, path: str, index: dict) -> str:
+    """Where a bundle file first differs from its re-derivation, traced to a tensor."""
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        off = 0
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                n = min(len(x), len(y))
+                i = next((k for k in range(n) if x[k] != y[k]), n)
+                pos = off + i
+                break
+            if not x:
+                return f"{path}: re-derived sha256 differs but the bytes are equal (file changed while reading?)"
+            off += len(x)
+    hit = next((e for e in index["tensors"] if e["file"] == path and e["byte_range"][0] <= pos < e["byte_range"][1]),
+               None)
+    where = f" in tensor {hit['key']} (byte {pos - hit['byte_range'][0]}; see `k3bundle trace`)" if hit else \
+        " in the header"
+    return f"{path}: differs from its re-derivation from the source at byte {pos}{where}"
+
+
+def _reassemble(bundle: Path, source: Path, index: dict, schema, report: VerifyReport) -> None:
+    """Check every pass-through source tensor against the rank slices that hold it."""
+    from k3bundle.schema import ROLE_BY_NAME
+
+    slices: dict[str, list[tuple[dict, int | None]]] = {}
+    for e in index["tensors"]:
+        if e["transform"] not in EXACT_TRANSFORMS:
+            continue
+        src = e["source"]
+        experts = range(*src["experts"]) if "experts" in src else (None,)
+        for x in experts:
+            key = _source_key(src, x)
+            slices.setdefault(key, []).append((e, x))
+    opened: dict[str, SafetensorsFile] = {}
+    try:
+        for key in sorted(slices):
+            entries = slices[key]
+            file = entries[0][0]["source"]["file"]
+            sf = opened.get(file) or opened.setdefault(file, SafetensorsFile(source / file))
+            info = sf.info(key)
+            ok = _coverage(key, entries, info, schema, ROLE_BY_NAME, sf, report)
+            for e, x in entries:
+                ok &= _compare_slice(bundle, e, x, sf, info, report)
+                report.reassembled_slices += 1
+            report.reassembled_tensors += ok
+    finally:
+        for sf in opened.values():
+            sf.close()
+
+
+def _geometry(e: dict, info) -> tuple[int, int, int, int]:
+    """(stored bytes per element or 1, stored columns per logical column's unit, c0, c1) of a slice."""
+    src = e["source"]
+    cols = src["cols"]
+    if e["storage"] == "mxfp4":
+        div = 2 if e["part"] == "packed" else mxfp4.BLOCK
+        return 1, div, cols[0] // div, cols[1] // div
+    es = dtype_bits(info.dtype) // 8
+    row_elems = math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
+    if cols is None or len(info.shape) != 2:
+        return es, 1, 0, row_elems
+    return es, 1, cols[0], cols[1]
+
+
+def _coverage(key: str, entries, info, schema, roles, sf, report: VerifyReport) -> bool:
+    """The distinct slices of ``key`` must tile it (padding rows of A_log are zero in the source)."""
+    rects = {(tuple(e["source"]["rows"]), tuple(e["source"]["cols"] or (0, 1))) for e, _ in entries}
+    rows_total = info.shape[0] if info.shape else 1
+    e0 = entries[0][0]
+    logical = e0["source"]["logical_shape"]
+    cols_total = logical[1] if len(logical) > 1 and e0["source"]["cols"] is not None else 1
+    area = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in rects)
+    ordered = sorted(rects)
+    for a, b in zip(ordered, ordered[1:]):
+        (ar, ac), (br, bc) = a, b
+        if ar[0] < br[1] and br[0] < ar[1] and ac[0] < bc[1] and bc[0] < ac[1]:
+            report.fail(f"{key}: rank slices {a} and {b} overlap")
+            return False
+    real_rows = max(r1 for (r0, r1), _ in rects)
+    if area != real_rows * cols_total or min(r0 for (r0, _), _ in rects) != 0:
+        report.fail(f"{key}: the rank slices cover {area} of {real_rows * cols_total} elements")
+        return False
+    if real_rows < rows_total:  # A_log: the rows no rank holds must be the zero padding
+        rest = np.frombuffer(sf.read_bytes(key, real_rows * (info.nbytes // rows_total)), dtype=np.uint8)
+        if rest.any():
+            report.fail(f"{key}: rows {real_rows}..{rows_total - 1} are held by no rank but are not zero")
+            return False
+    return True
+
+
+def _compare_slice(bundle: Path, e: dict, expert: int | None, sf: SafetensorsFile, info,
+                   report: VerifyReport) -> bool:
+    """Device bytes of one slice (un-swizzled, padding dropped) == the source bytes it claims."""
+    src = e["source"]
+    es, div, c0, c1 = _geometry(e, info)
+    rows_total = info.shape[0] if info.shape else 1
+    row_bytes = info.nbytes // rows_total if rows_total else 0
+    r0, r1 = src["rows"]
+    w = (c1 - c0) * es  # bytes of a row the slice holds
+    pad_rows = src.get("pad_rows", 0)
+    pad_w = src.get("pad_cols", 0) // div * es
+    stride = src.get("expert_stride", e["byte_range"][1] - e["byte_range"][0])
+    begin = e["byte_range"][0] + ((expert - src["experts"][0]) * stride if "expert_stride" in src else 0)
+    where = f"rank {e['rank']} {e['key']}" + (f" expert {expert}" if expert is not None else "")
+    with open(bundle / e["file"], "rb") as f:
+        f.seek(begin)
+        dev = np.frombuffer(f.read(stride), dtype=np.uint8)
+    n_rows = r1 - r0 + pad_rows
+    if e["transform"] == "swizzle-128x4":
+        dev = unswizzle(torch.from_numpy(dev.copy()), n_rows, (w + pad_w) // es).numpy()
+    dev = dev.reshape(n_rows, w + pad_w)
+    if dev[r1 - r0:].any() or dev[:, w:].any():
+        report.fail(f"{where}: padding is not zero")
+        return False
+    step = max(1, CHUNK // max(row_bytes, 1))
+    for a in range(r0, r1, step):
+        b = min(r1, a + step)
+        got = np.frombuffer(sf.read_bytes(info.name, a * row_bytes, b * row_bytes), dtype=np.uint8)
+        got = got.reshape(b - a, row_bytes)[:, c0 * es: c1 * es]
+        if not np.array_equal(got, dev[a - r0: b - r0, :w]):
+            bad = np.argwhere(got != dev[a - r0: b - r0, :w])[0]
+            report.fail(f"{where}: differs from source {info.name} at row {a + int(bad[0])}, byte column "
+                        f"{c0 * es + int(bad[1])}")
+            return False
+    return True
+
+
+__all__ = ["VerifyReport", "verify"]

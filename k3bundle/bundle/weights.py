@@ -1,0 +1,245 @@
+"""A bundle's device weights as an executor ``WeightSource``: every rank merged, or one rank.
+
+The executor (``k3bundle.executor``) asks for tensors by schema role. Here each request is
+answered from ``weights.index.json``: the device tensors of that role instance are read from
+the rank files (only their byte ranges; one expert's bytes out of a stacked tensor), decoded
+from their stored format exactly (MXFP4 / NVFP4 / FP8 dequantization, scale un-swizzling),
+stripped of padding, and either
+
+- **merged**: placed at their logical rows/cols, so the executor sees the original tensor
+  (what a bundle's ranks hold together), or
+- **one rank** (``rank=r``): kept as that rank's local slice; the executor's block code reads
+  head counts from weight shapes, partial sums go through ``reduce`` (``all_reduce``) and
+  vocab-parallel logits through ``gather_vocab`` (``all_gather``), so one process per rank
+  under ``torch.distributed`` really exchanges partial results.
+
+Nothing is trusted from names: every tensor is found by (rank, role, layer) in the index.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict, defaultdict
+from pathlib import Path
+
+import torch
+
+from k3bundle.bundle.common import BundleError
+from k3bundle.bundle.index import read_index
+from k3bundle.config import load_config
+from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy
+from k3bundle.formats import fp8, mxfp4, nvfp4
+from k3bundle.formats.scale_swizzle import unswizzle
+from k3bundle.io import SafetensorsFile
+from k3bundle.schema import Format, Schema
+from k3bundle.schema.roles import ROLE_BY_NAME, Scope
+
+
+class _Files:
+    """Open rank files on demand (one reader per file)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.open: dict[str, SafetensorsFile] = {}
+
+    def get(self, entry: dict, expert: int | None = None) -> torch.Tensor:
+        f = self.open.get(entry["file"])
+        if f is None:
+            f = self.open[entry["file"]] = SafetensorsFile(self.root / entry["file"])
+        src = entry["source"]
+        if expert is None or "experts" not in src:
+            return f.get(entry["key"])
+        first = src["experts"][0]
+        stride = src["expert_stride"]  # bytes of one expert inside the stacked tensor
+        raw = f.read_bytes(entry["key"], (expert - first) * stride, (expert - first + 1) * stride)
+        t = torch.frombuffer(bytearray(raw), dtype=f.info(entry["key"]).torch_dtype)
+        return t.reshape(entry["shape"][1:])
+
+
+def _decode(parts: dict[str, torch.Tensor], entry: dict, out_dtype: torch.dtype) -> torch.Tensor:
+    """One (rank, role instance[, expert]) slice back to logical values, padding included."""
+    storage = entry["storage"]
+    if storage == "source":
+        return parts["weight"]
+    if storage in ("mxfp4", "nvfp4", "mxfp4-from-bf16"):
+        packed = parts["packed"]
+        rows, cols = packed.shape[-2], packed.shape[-1] * 2
+        block = nvfp4.BLOCK if storage == "nvfp4" else mxfp4.BLOCK
+        scale = parts["scale"]
+        if scale.ndim == 1 or scale.shape[-1] != cols // block:  # swizzled-128x4: a flat permutation
+            scale = unswizzle(scale.reshape(-1), rows, cols // block)
+        if storage == "nvfp4":
+            return nvfp4.dequantize(packed, scale.view(torch.uint8), parts["global_scale"].reshape(()), out_dtype)
+        return mxfp4.dequantize(packed, scale.view(torch.uint8), out_dtype)
+    if storage == "fp8-e4m3-channel":
+        return fp8.dequantize_channel(parts["weight"], parts["scale"], out_dtype)
+    if storage == "fp8-e4m3-block128":
+        return fp8.dequantize_block(parts["weight"], parts["scale"], out_dtype)
+    raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {storage!r}")
+
+
+def _unpad(t: torch.Tensor, src: dict) -> torch.Tensor:
+    r0, r1 = src["rows"]
+    t = t[: r1 - r0] if src.get("pad_rows") else t
+    if src.get("pad_cols") and src.get("cols") is not None:
+        c0, c1 = src["cols"]
+        t = t[:, : c1 - c0]
+    return t
+
+
+class BundleWeights(WeightSource):
+    """Device weights of a bundle, merged over ranks (``rank=None``) or one rank's slices.
+
+    Args:
+        bundle (`Path`): the bundle directory (manifest.json, weights.index.json, device_weights/).
+        dtype (`str`): the executor's dtype policy ("bfloat16" emulates a serving engine).
+        device (`str`): torch device.
+        rank (`int`, optional): read only this rank's tensors (one process per rank).
+        group: the torch.distributed process group for ``reduce``/``gather_vocab`` (per-rank mode).
+    """
+
+    def __init__(self, bundle: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
+                 rank: int | None = None, group=None):
+        self.root = Path(bundle)
+        if not (self.root / "manifest.json").is_file():
+            raise BundleError(f"{self.root}: no manifest.json; the bundle is incomplete (convert did not finish)")
+        self.config = load_config(self.root / "config.json")
+        self.schema = Schema(self.config)
+        self.policy = policy(dtype)
+        self.device = torch.device(device)
+        self.rank, self.group = rank, group
+        index = read_index(self.root / "weights.index.json")
+        self.world = int(index.get("world", 1))
+        if rank is not None and not 0 <= rank < self.world:
+            raise BundleError(f"{self.root}: rank {rank} out of range 0..{self.world - 1}")
+        # (role, layer) -> entries; per entry one part of one rank's slice
+        self.entries: dict[tuple[str, int | None], list[dict]] = defaultdict(list)
+        for e in index["tensors"]:
+            if rank is None or e["rank"] == rank:
+                self.entries[(e["role"], e["layer"])].append(e)
+        if rank is not None:
+            heads = self.config.text.linear_attn_config.num_heads
+            if heads % self.world:
+                raise BundleError(f"{self.root}: {self.world} ranks do not split {heads} KDA heads evenly")
+            self.kda_heads = heads // self.world
+        self.files = _Files(self.root)
+        self._experts: dict[int, OrderedDict] = {}
+        self.expert_reads = 0
+
+    # ---- decoding ----
+    def _dtype(self, role: str) -> torch.dtype:
+        return self.policy.f32 if ROLE_BY_NAME[role].fmt is Format.F32 else self.policy.weight
+
+    def _slices(self, role: str, layer: int | None, expert: int | None = None):
+        """[(source slice description, decoded local tensor)] for every rank holding a slice."""
+        by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
+        for e in self.entries.get((role, layer), []):
+            src = e["source"]
+            if expert is not None:
+                if "experts" in src:
+                    a, b = src["experts"]
+                    if not a <= expert < b:
+                        continue
+                elif f".experts.{expert}." not in src.get("key", "") + ".":
+                    continue
+            by_rank[e["rank"]][e["part"]] = e
+        out = []
+        for r in sorted(by_rank):
+            parts = by_rank[r]
+            first = next(iter(parts.values()))
+            tensors = {p: self.files.get(e, expert) for p, e in parts.items()}
+            value = _decode(tensors, first, torch.float64 if self.policy.weight == torch.float64 else torch.float32)
+            out.append((first["source"], _unpad(value, first["source"])))
+        return out
+
+    def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
+        slices = self._slices(role, layer, expert)
+        if not slices:
+            if self.rank is None:
+                raise BundleError(f"{self.root}: weights.index.json has no tensor of role {role} "
+                                  f"(layer {layer}{'' if expert is None else f', expert {expert}'})")
+            return None
+        if self.rank is not None:
+            t = slices[0][1]
+        else:
+            src0 = slices[0][0]
+            t = torch.zeros(src0["logical_shape"], dtype=slices[0][1].dtype)
+            for src, v in slices:
+                r0, r1 = src["rows"]
+                if src.get("cols") is None or t.ndim != 2:
+                    t[r0:r1] = v
+                else:
+                    c0, c1 = src["cols"]
+                    t[r0:r1, c0:c1] = v
+        return t.to(device=self.device, dtype=self._dtype(role))
+
+    # ---- WeightSource ----
+    def layer(self, layer: int, decode: bool = False) -> LayerWeights:
+        roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
+        tensors = {role: self._tensor(role, layer) for role in roles}
+        tensors = {k: v for k, v in tensors.items() if v is not None}
+        if not self.config.text.is_moe(layer):
+            return LayerWeights(layer, tensors, reduce=self.reduce)
+        cache = self._experts.setdefault(layer, OrderedDict())
+
+        def expert(e: int):
+            if e in cache:
+                return cache[e]
+            parts = {role: self._tensor(role, layer, e) for role in EXPERT_ROLES}
+            if any(v is None for v in parts.values()):
+                return None  # owned by another expert-parallel rank
+            self.expert_reads += 1
+            if decode:
+                cache[e] = parts
+                while len(cache) > self.config.text.num_experts_per_token:
+                    cache.popitem(last=False)
+            return parts
+
+        return LayerWeights(layer, tensors, expert, reduce=self.reduce)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self._embed_rows()
+        if self.rank is None:
+            return w[ids.to(w.device)].to(self.policy.act)
+        r0, r1 = next(e["source"]["rows"] for e in self.entries[("embed", None)])
+        local = (ids >= r0) & (ids < r1)
+        rows = torch.zeros(ids.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+        rows[local.to(w.device)] = w[(ids[local] - r0).to(w.device)]
+        return self.reduce(rows).to(self.policy.act)  # vocab-parallel embedding: sum over ranks
+
+    def _embed_rows(self) -> torch.Tensor:
+        if not hasattr(self, "_embed"):
+            self._embed = self._tensor("embed", None)
+        return self._embed
+
+    def global_tensor(self, role: str) -> torch.Tensor:
+        return self._tensor(role, None)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank is None:
+            return x
+        import torch.distributed as dist
+
+        # partial sums travel in FP32 (gloo has no BF16 sum; serving engines accumulate in FP32)
+        y = x.to(torch.float32 if x.dtype != torch.float64 else x.dtype).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.rank is None:
+            return logits
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def close(self) -> None:
+        for f in self.files.open.values():
+            f.close()
+
+
+def bundle_layout(bundle: str | Path) -> dict:
+    """The resolved layout recorded in the bundle's manifest."""
+    m = json.loads((Path(bundle) / "manifest.json").read_text())
+    return m["layout"]["resolved"]

@@ -1,0 +1,97 @@
+"""The resume journal of an unfinished conversion: ``BUNDLE/.k3bundle-convert.journal``.
+
+JSON lines. The first line names the plan (``plan_id``: a hash of the k3bundle version, the
+resolved layout, config.json, the source index and source.json); each further line records one
+finished unit: the source file (sha256, size, mtime) and every output (path, sha256, size).
+On a rerun, a unit is skipped only if the plan is the same, its source file's size and mtime are
+unchanged, and every output re-hashes to the recorded sha256 — the journal is a claim, never
+trusted on its own. The journal holds an exclusive ``flock`` for the run (one converter per
+bundle) and is deleted just before ``manifest.json`` is written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from k3bundle.bundle.common import sha256_file
+from k3bundle.convert.unit import ConvertError, UnitResult
+
+JOURNAL = ".k3bundle-convert.journal"
+
+
+class Journal:
+    def __init__(self, out: Path, plan_id: str):
+        self.path = out / JOURNAL
+        self.plan_id = plan_id
+        self.entries: dict[str, dict] = {}
+        exists = self.path.exists()
+        self._f = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise ConvertError(f"{out}: another k3bundle convert is writing this bundle") from None
+        if exists:
+            self._load(out)
+        else:
+            self._append({"schema_version": 1, "kind": "k3bundle.convert-journal", "plan_id": plan_id})
+
+    def _load(self, out: Path) -> None:
+        self._f.seek(0)
+        lines = self._f.read().splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            head = {}
+        if head.get("plan_id") != self.plan_id:
+            self.close()
+            raise ConvertError(f"{out}: holds a partial conversion of a different plan (target, source or "
+                               "options differ); use another --out, or --force to start over")
+        for line in lines[1:]:
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            self.entries[e["unit"]] = e
+
+    def _append(self, doc: dict) -> None:
+        self._f.seek(0, os.SEEK_END)
+        self._f.write(json.dumps(doc, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def record(self, r: UnitResult) -> None:
+        doc = {"unit": r.shard, "sha256": r.sha256, "size": r.size, "mtime_ns": r.mtime_ns,
+               "outputs": [list(o) for o in r.outputs], "nvfp4_requantized": r.nvfp4_requantized}
+        self.entries[r.shard] = doc
+        self._append(doc)
+
+    def verified(self, shard: str, source: Path, out: Path, outputs: list[str],
+                 expected_sha256: str | None) -> UnitResult | None:
+        """The recorded result of ``shard`` if it still holds (outputs re-hashed), else None."""
+        e = self.entries.get(shard)
+        if e is None:
+            return None
+        st = os.stat(source / shard)
+        if (st.st_size, st.st_mtime_ns) != (e["size"], e["mtime_ns"]):
+            return None
+        if expected_sha256 is not None and e["sha256"] != expected_sha256:
+            return None
+        if sorted(o[0] for o in e["outputs"]) != sorted(outputs):
+            return None
+        for path, sha, size in e["outputs"]:
+            p = out / path
+            if not p.is_file() or p.stat().st_size != size or sha256_file(p)[0] != sha:
+                return None
+        return UnitResult(shard, e["sha256"], e["size"], e["mtime_ns"], [tuple(o) for o in e["outputs"]],
+                          e["nvfp4_requantized"])
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)

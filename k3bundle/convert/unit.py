@@ -1,0 +1,432 @@
+"""Convert one source file: read it once, front to back, hash it, write its device files.
+
+A ``UnitWork`` (built from the plan in the parent process, shipped to a worker) lists the
+device files fed by one source file, with every byte range planned, and every *group* (one
+source role instance: a tensor, an MXFP4 pair, one expert's pair) with its *sinks* (where
+each rank's slice of it lands). The worker:
+
+1. creates every output as a hidden temp file of its final size (``posix_fallocate``, so a
+   full disk fails here, before any data is written) and writes the planned header;
+2. reads the source file sequentially — header, then tensors in file order — in blocks,
+   feeding each block to sha256 and to the sinks that need it; sinks ``pwrite`` their bytes
+   at planned offsets (stacked experts arrive out of file order, so writes are positioned);
+3. compares the source sha256 with ``source.json`` when the pull recorded one;
+4. hashes each output (read back from the page cache) and renames it into place.
+
+Each source byte is read once. Peak memory is one read block plus what one sink buffers
+(128 rows for FP8 blocks; one expert tensor for NVFP4; one scale slice for swizzling),
+independent of the model's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3bundle.convert import encode
+from k3bundle.errors import K3Error
+from k3bundle.formats import mxfp4, nvfp4
+from k3bundle.io import read_header
+from k3bundle.io.dtypes import dtype_bits
+from k3bundle.plan import Plan, Target
+from k3bundle.plan.files import OutFile, shard_files
+from k3bundle.plan.storage import DevicePart, storage_name
+
+READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
+READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
+HASH_CHUNK = 16 << 20
+READ_AHEAD = 256 << 20  # kept requested from the kernel (posix_fadvise WILLNEED) ahead of the reader
+TMP_SUFFIX = ".k3tmp"
+THROTTLE_ENV = "K3BUNDLE_CONVERT_THROTTLE_S"  # test hook: sleep per unit before renaming outputs
+
+
+class ConvertError(K3Error):
+    """A conversion cannot proceed: bad source bytes, a full disk, an unusable output directory."""
+
+
+@dataclass
+class Sink:
+    """Where one rank's slice of one source role instance (one expert) lands."""
+
+    target: Target
+    expert: int | None
+    parts: tuple[DevicePart, ...]
+    dests: dict[str, tuple[int, int]]  # device part -> (file index, absolute offset of this weight)
+    shape: tuple[int, ...]  # logical shape of the device slice, padding included
+    row_lo: int  # source rows taken
+    row_hi: int
+    cols: tuple[int, int] | None  # source logical columns taken (row-parallel), None = all
+
+    @property
+    def storage(self) -> str:
+        return storage_name(self.target.rule, self.target.role)
+
+
+@dataclass
+class Group:
+    """One source role instance: its stored tensors (by part) and every sink of it."""
+
+    names: dict[str, str]  # source part -> tensor name
+    dtype: str  # stored dtype of the "weight" part (BF16/F32) or U8
+    sinks: list[Sink] = field(default_factory=list)
+
+
+@dataclass
+class UnitWork:
+    shard: str
+    files: list[OutFile]
+    groups: list[Group]
+    expected_sha256: str | None = None  # from source.json
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass
+class UnitResult:
+    shard: str
+    sha256: str
+    size: int
+    mtime_ns: int
+    outputs: list[tuple[str, str, int]]  # (path, sha256, size)
+    nvfp4_requantized: list[dict]
+
+
+def build_unit(plan: Plan, shard: str, expected_sha256: str | None = None) -> UnitWork:
+    """Plan the work of one source file: its device files and every group's sinks."""
+    files = shard_files(plan, shard)
+    dests: dict[tuple[Target, int | None], dict[str, tuple[int, int]]] = {}
+    for fi, f in enumerate(files):
+        for d, off in zip(f.tensors, f.offsets):
+            base = f.data_start + off
+            if d.stacked:
+                e0 = d.target.experts[0]
+                for e in range(*d.target.experts):
+                    dests.setdefault((d.target, e), {})[d.part.part] = (fi, base + (e - e0) * d.part.nbytes)
+            else:
+                dests.setdefault((d.target, d.expert), {})[d.part.part] = (fi, base)
+    groups: dict[tuple, Group] = {}
+    schema = plan.schema
+    for (t, e), where in dests.items():
+        key = (t.role.role, t.layer, e)
+        g = groups.get(key)
+        if g is None:
+            specs = schema.specs(t.role, t.layer, e)
+            g = groups[key] = Group({s.part: s.name for s in specs}, specs[0].dtype)
+        shape = plan.slice_shape(t)
+        rows = schema.logical_shape(t.role)[0]
+        lo, hi = (0, rows) if t.split == "cols" else (t.start, t.stop)
+        g.sinks.append(Sink(t, e, tuple(plan.parts(t)), where, shape, lo, hi,
+                            (t.start, t.stop) if t.split == "cols" else None))
+    return UnitWork(shard, files, list(groups.values()), expected_sha256)
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _col_bytes(part: str, cols: tuple[int, int], dtype: str) -> tuple[int, int]:
+    """Byte columns of a stored part holding logical columns ``cols``."""
+    c, d = cols
+    if part == "packed":
+        return c // 2, d // 2
+    if part == "scale":
+        return c // mxfp4.BLOCK, d // mxfp4.BLOCK
+    s = dtype_bits(dtype) // 8
+    return c * s, d * s
+
+
+def _row_bytes(dp: DevicePart) -> int:
+    return dp.nbytes // dp.shape[0] if dp.shape and dp.shape[0] else 0
+
+
+class _Writer:
+    """Dispatches source blocks to sinks and writes device bytes at planned offsets."""
+
+    def __init__(self, fds: list[int], paths: list[str]):
+        self.fds, self.paths = fds, paths
+        self.pending: dict[tuple[int, str], list] = {}  # (sink id, part) -> buffered rows
+        self.nvfp4: dict[int, dict[str, np.ndarray]] = {}  # group id -> source parts
+        self.requantized: list[dict] = []
+
+    def put(self, sink: Sink, part: str, rel: int, data: np.ndarray) -> None:
+        fi, base = sink.dests[part]
+        buf = np.ascontiguousarray(data)
+        view = memoryview(buf).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fds[fi], view[done:], base + rel + done)
+        except OSError as e:
+            raise _disk_error(e, self.paths[fi]) from None
+
+    # ---- pass-through (source tensors and MXFP4 pairs) ----
+    def direct(self, sink: Sink, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
+        x0, x1 = max(r0, sink.row_lo), min(r0 + len(block), sink.row_hi)
+        if x0 >= x1:
+            return
+        dp = next(p for p in sink.parts if p.source_part == part)
+        rows = block[x0 - r0: x1 - r0]
+        if dp.transform == "swizzle-128x4":
+            width = sink.shape[1] // mxfp4.BLOCK
+        else:
+            width = _row_bytes(dp)
+        if sink.cols is not None:
+            cb0, cb1 = _col_bytes(part, sink.cols, dtype)
+            rows = encode.pad_cols(rows[:, cb0:cb1], width)
+        if dp.transform == "swizzle-128x4":
+            self._collect(sink, dp.part, rows, x1 == sink.row_hi,
+                          lambda all_rows: self.put(sink, dp.part, 0, encode.swizzle_rows(all_rows)))
+        else:
+            self.put(sink, dp.part, (x0 - sink.row_lo) * width, rows)
+
+    def _collect(self, sink: Sink, part: str, rows: np.ndarray, last: bool, flush) -> None:
+        key = (id(sink), part)
+        buf = self.pending.setdefault(key, [])
+        buf.append(rows)
+        if last:
+            del self.pending[key]
+            flush(np.concatenate(buf) if len(buf) > 1 else buf[0])
+
+    # ---- quantization of BF16 slices (FP8, MXFP4 from BF16) ----
+    def derived(self, sink: Sink, r0: int, block: np.ndarray) -> None:
+        x0, x1 = max(r0, sink.row_lo), min(r0 + len(block), sink.row_hi)
+        if x0 >= x1:
+            return
+        rows = block[x0 - r0: x1 - r0]
+        if sink.cols is not None:
+            rows = rows[:, 2 * sink.cols[0]: 2 * sink.cols[1]]
+        g = sink.parts[0].rows_per_group
+        rel = x0 - sink.row_lo
+        if g == 1:
+            self._encode(sink, rel, rows, x1 == sink.row_hi)
+            return
+        key = (id(sink), "rows")
+        start, buf = self.pending.get(key, (rel, []))
+        buf.append(rows)
+        have = sum(len(b) for b in buf)
+        last = x1 == sink.row_hi
+        if have >= g or last:
+            rows = np.concatenate(buf) if len(buf) > 1 else buf[0]
+            n_full = len(rows) if last else (len(rows) // g) * g
+            for i in range(0, n_full, g):
+                self._encode(sink, start + i, rows[i: i + g], last and i + g >= n_full)
+            rest = rows[n_full:]
+            if len(rest):
+                self.pending[key] = (start + n_full, [rest])
+            else:
+                self.pending.pop(key, None)
+        else:
+            self.pending[key] = (start, buf)
+
+    def _encode(self, sink: Sink, rel: int, rows: np.ndarray, last: bool) -> None:
+        name, parts = sink.storage, {p.part: p for p in sink.parts}
+        cols = sink.shape[1]
+        if name == "fp8-e4m3-channel":
+            out = encode.fp8_channel(rows)
+            self.put(sink, "weight", rel * cols, encode.pad_cols(out["weight"], cols))
+            self.put(sink, "scale", rel * 4, out["scale"])
+        elif name == "fp8-e4m3-block128":
+            out = encode.fp8_block(rows)
+            width = parts["scale"].shape[1] * 4
+            self.put(sink, "weight", rel * cols, encode.pad_cols(out["weight"], cols))
+            self.put(sink, "scale", (rel // 128) * width, encode.pad_cols(out["scale"], width))
+        elif name == "mxfp4-from-bf16":
+            out = encode.mxfp4_from_bf16(rows, sink.target.rule.scale_rule)
+            self.put(sink, "packed", rel * (cols // 2), encode.pad_cols(out["packed"], cols // 2))
+            scale = encode.pad_cols(out["scale"], cols // mxfp4.BLOCK)
+            if "swizzle" in parts["scale"].transform:
+                self._collect(sink, "scale", scale, last,
+                              lambda all_rows: self.put(sink, "scale", 0, encode.swizzle_rows(all_rows)))
+            else:
+                self.put(sink, "scale", rel * (cols // mxfp4.BLOCK), scale)
+        else:  # pragma: no cover - storage_name only returns the names handled here
+            raise AssertionError(name)
+
+    # ---- MXFP4 -> NVFP4: whole expert tensor, then every rank's slice ----
+    def nvfp4_part(self, group: Group, part: str, block: np.ndarray) -> None:
+        have = self.nvfp4.setdefault(id(group), {})
+        have[part] = block
+        if len(have) < 2:
+            return
+        del self.nvfp4[id(group)]
+        out, bad = encode.nvfp4_from_mxfp4(have["packed"], have["scale"])
+        if bad:
+            self.requantized.append({"source_key": group.names["packed"], "blocks": bad})
+        for sink in group.sinks:
+            rows = slice(sink.row_lo, sink.row_hi)
+            cols = sink.shape[1]
+            packed, scale = out["packed"][rows], out["scale"][rows]
+            if sink.cols is not None:
+                c, d = sink.cols
+                packed = packed[:, c // 2: d // 2]
+                scale = scale[:, c // nvfp4.BLOCK: d // nvfp4.BLOCK]
+            self.put(sink, "packed", 0, encode.pad_cols(packed, cols // 2))
+            scale = encode.pad_cols(scale, cols // nvfp4.BLOCK)
+            swizzled = "swizzle" in next(p for p in sink.parts if p.part == "scale").transform
+            self.put(sink, "scale", 0, encode.swizzle_rows(scale) if swizzled else scale)
+            self.put(sink, "global_scale", 0, out["global_scale"])
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int, path: Path) -> None:
+    view, done = memoryview(buf).cast("B"), 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise ConvertError(f"{path}: {e.strerror} while reading at byte {offset + done}") from None
+        if got == 0:
+            raise ConvertError(f"{path}: file shrank while reading at byte {offset + done}")
+        done += got
+
+
+def _hash_file(fd: int, size: int) -> str:
+    h, buf, off = hashlib.sha256(), bytearray(min(HASH_CHUNK, max(size, 1))), 0
+    view = memoryview(buf)
+    while off < size:
+        n = os.preadv(fd, [view[: min(len(buf), size - off)]], off)
+        if n == 0:
+            raise OSError(errno.EIO, "short read while hashing")
+        h.update(view[:n])
+        off += n
+    return h.hexdigest()
+
+
+def _disk_error(e: OSError, path: str) -> ConvertError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConvertError(f"{path}: {os.strerror(e.errno)} while writing the bundle; free space (or raise "
+                            "the limit) and rerun the same command: finished files are kept and re-verified")
+    return ConvertError(f"{path}: {e.strerror or e} while writing the bundle")
+
+
+def run_unit(work: UnitWork, source_dir: str | Path, out_dir: str | Path) -> UnitResult:
+    """Convert one source file (see the module docstring). Raises ``ConvertError``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # units are the parallelism; intra-op threads only contend (36x slower)
+    try:
+        return _run_unit(work, Path(source_dir), Path(out_dir))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
+    src = source_dir / work.shard
+    header = read_header(src)  # strict: the layout of every byte below is validated here
+    fds: list[int] = []
+    tmps: list[Path] = []
+    try:
+        for f in work.files:
+            final = out / f.path
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(f".{final.name}{TMP_SUFFIX}")
+            try:
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                fds.append(fd)
+                tmps.append(tmp)
+                try:
+                    os.posix_fallocate(fd, 0, f.size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, f.size)
+                os.pwrite(fd, f.prefix, 0)
+            except OSError as e:
+                raise _disk_error(e, f.path) from None
+        writer = _Writer(fds, [f.path for f in work.files])
+        st = os.stat(src)
+        sha = _read_and_dispatch(work, src, header, writer)
+        if work.expected_sha256 and sha != work.expected_sha256:
+            raise ConvertError(f"{src}: sha256 {sha} does not match source.json ({work.expected_sha256}); "
+                               "the file changed or is corrupt since it was pulled: pull it again")
+        throttle = float(os.environ.get(THROTTLE_ENV, "0") or 0)
+        if throttle:
+            time.sleep(throttle)
+        outputs = []
+        for f, fd, tmp in zip(work.files, fds, tmps):
+            outputs.append((f.path, _hash_file(fd, f.size), f.size))
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        for f, tmp in zip(work.files, tmps):
+            os.replace(tmp, out / f.path)
+        tmps.clear()
+        return UnitResult(work.shard, sha, header.file_size, st.st_mtime_ns, outputs, writer.requantized)
+    except OSError as e:  # reads raise ConvertError themselves; this is the output side
+        raise _disk_error(e, str(out)) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for tmp in tmps:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> str:
+    by_name: dict[str, tuple[Group, str]] = {}
+    for g in work.groups:
+        for part, name in g.names.items():
+            by_name[name] = (g, part)
+    hasher = hashlib.sha256()
+    fd = os.open(src, os.O_RDONLY)
+    ahead = 0  # the kernel reads ahead of us (cold cache: disk reads overlap hashing and writing)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    try:
+        head = np.empty(header.data_start, dtype=np.uint8)
+        _pread_into(fd, head, 0, src)
+        hasher.update(head)
+        for info in sorted(header.tensors.values(), key=lambda i: i.begin):
+            hit = by_name.pop(info.name, None)
+            if info.nbytes == 0:
+                continue
+            rows = info.shape[0] if info.shape else 1
+            row_bytes = info.nbytes // rows if rows else 0
+            if info.nbytes <= READ_WHOLE or (hit and storage_name_of(hit[0]) == "nvfp4"):
+                step = rows
+            else:
+                step = max(1, READ_BLOCK // max(row_bytes, 1))
+            for r0 in range(0, rows, step):
+                n = min(step, rows - r0)
+                block = np.empty((n, row_bytes), dtype=np.uint8)
+                pos = info.abs_begin + r0 * row_bytes
+                if hasattr(os, "posix_fadvise") and ahead < pos + READ_AHEAD // 2:
+                    # keep the kernel reading [pos, pos + READ_AHEAD) in the background
+                    start = max(ahead, pos)
+                    os.posix_fadvise(fd, start, pos + READ_AHEAD - start, os.POSIX_FADV_WILLNEED)
+                    ahead = pos + READ_AHEAD
+                _pread_into(fd, block, pos, src)
+                hasher.update(block)
+                if hit is not None:
+                    _dispatch(writer, hit[0], hit[1], info.dtype, r0, block)
+    finally:
+        os.close(fd)
+    if by_name:
+        first = min(by_name)
+        raise ConvertError(f"{src}: {len(by_name)} planned tensor(s) are not in the file, first {first!r}")
+    return hasher.hexdigest()
+
+
+def storage_name_of(group: Group) -> str:
+    return group.sinks[0].storage
+
+
+def _dispatch(writer: _Writer, group: Group, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
+    name = storage_name_of(group)
+    if name == "nvfp4":
+        writer.nvfp4_part(group, part, block)
+    elif name in ("source", "mxfp4"):
+        for sink in group.sinks:
+            writer.direct(sink, part, dtype, r0, block)
+    else:
+        for sink in group.sinks:
+            writer.derived(sink, r0, block)

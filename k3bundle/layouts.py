@@ -1,0 +1,467 @@
+"""Target layouts as data: ``layouts/NAME.yaml``, parsed and checked once.
+
+A layout names the cards (count, memory, peak FLOP/s, bandwidths), the parallel degrees
+(TP, attention DP, EP, PP), how experts are placed, the storage format of each tensor role,
+the scale layout, and the bundle's file rules. ``docs/layouts.md`` documents every field.
+
+This module checks what a layout says on its own (field types, degrees that cover the cards,
+formats that fit the roles they name). Checks that need the model's shapes (TP must divide the
+heads, EP the experts, MXFP4 slices on whole blocks, ...) are in ``k3bundle.plan``. Every
+check has a rule name, and a failing layout raises one ``LayoutError`` that lists every broken
+rule with both numbers, e.g. ``[cards-match-degrees] tp (8) x attention_dp (1) x pp (2) = 16
+must equal card.count (8)``.
+
+Lookup: ``layouts/`` at the repository root first (a source checkout), then the copy the wheel
+carries as ``k3bundle/_data/layouts``. ``--target`` also accepts a path to a YAML file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from k3bundle.errors import K3Error
+from k3bundle.formats import mxfp4
+from k3bundle.schema.roles import ROLES, Format, Role
+
+LAYOUT_SCHEMA_VERSION = 1
+
+#: Storage formats a layout may give a role (docs/layouts.md "formats").
+FORMATS = ("source", "bf16", "f32", "mxfp4", "nvfp4", "fp8-e4m3-channel", "fp8-e4m3-block128",
+           "mxfp4-from-bf16")
+SCALE_LAYOUTS = ("row-major", "swizzled-128x4")
+EXPERT_PLACEMENTS = ("contiguous",)
+#: Dimensions whose per-rank size a layout may pad up to a multiple (zero rows / columns).
+PADDABLE_DIMS = ("V", "I", "S", "Ie")
+PEAK_FLOPS_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp6", "fp4", "mxfp4", "nvfp4")
+
+_REPO_LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
+_WHEEL_LAYOUTS = Path(__file__).resolve().parent / "_data" / "layouts"
+
+
+class LayoutError(K3Error):
+    """A layout file is malformed or asks for a placement the model cannot take.
+
+    ``rules`` lists the names of the broken rules (docs/layouts.md "Rules").
+    """
+
+    def __init__(self, message: str, rules: list[str] | None = None):
+        super().__init__(message)
+        self.rules = rules or []
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    count: int
+    hbm_bytes: int
+    hbm_bandwidth_bytes_per_s: float
+    link_bandwidth_bytes_per_s: float
+    peak_flops: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int
+    attention_dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    pp_layers: tuple[int, ...] | None = None  # decoder layers per stage; None = balanced
+    expert_placement: str = "contiguous"
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks in one pipeline stage: tp x attention_dp (= ep x moe_tp)."""
+        return self.tp * self.attention_dp
+
+    @property
+    def moe_tp(self) -> int:
+        """TP degree inside one routed expert: the stage's ranks that EP does not use."""
+        return self.stage_ranks // self.ep
+
+    @property
+    def world(self) -> int:
+        return self.stage_ranks * self.pp
+
+
+@dataclass(frozen=True)
+class FormatRule:
+    """``formats`` entry: roles matching ``pattern`` (fnmatch) are stored as ``format``."""
+
+    pattern: str
+    format: str
+    scale_rule: str | None = None  # mxfp4-from-bf16 only: floor / rceil / even
+
+    def as_yaml(self) -> Any:
+        return {"format": self.format, "scale_rule": self.scale_rule} if self.scale_rule else self.format
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    description: str
+    card: Card
+    parallel: Parallel
+    formats: tuple[FormatRule, ...]
+    scale_layout: str = "row-major"
+    stack_experts: bool = False
+    padding: dict[str, int] = field(default_factory=dict)
+    max_file_bytes: int = 5_000_000_000
+    data_alignment: int = 8
+    runtime_reserve_bytes: int = 0
+    path: str = field(default="", compare=False)
+
+    # ---- per-role storage ----
+    def rule_for(self, role: Role) -> FormatRule:
+        """The first ``formats`` rule whose pattern matches the role name; else ``source``."""
+        for rule in self.formats:
+            if fnmatch.fnmatchcase(role.role, rule.pattern):
+                return rule
+        return FormatRule("", "source")
+
+    @property
+    def swizzled(self) -> bool:
+        return self.scale_layout == "swizzled-128x4"
+
+    # ---- pipeline ----
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers per stage: explicit, or balanced with the first stages taking the
+        remainder (TensorRT-LLM ``Mapping.pp_layers``)."""
+        if self.parallel.pp_layers is not None:
+            return self.parallel.pp_layers
+        pp = self.parallel.pp
+        base, extra = divmod(num_layers, pp)
+        return tuple(base + (1 if s < extra else 0) for s in range(pp))
+
+    def resolved(self, num_layers: int) -> "Layout":
+        """This layout with every default written out (``pp_layers`` for ``num_layers``)."""
+        return replace(self, parallel=replace(self.parallel, pp_layers=self.stage_layers(num_layers)))
+
+    # ---- serialisation ----
+    def to_dict(self) -> dict:
+        c, p = self.card, self.parallel
+        return {
+            "schema_version": LAYOUT_SCHEMA_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "card": {"name": c.name, "count": c.count, "hbm_bytes": c.hbm_bytes,
+                     "hbm_bandwidth_bytes_per_s": c.hbm_bandwidth_bytes_per_s,
+                     "link_bandwidth_bytes_per_s": c.link_bandwidth_bytes_per_s,
+                     "peak_flops": dict(c.peak_flops)},
+            "parallel": {"tp": p.tp, "attention_dp": p.attention_dp, "ep": p.ep, "moe_tp": p.moe_tp,
+                         "pp": p.pp, "pp_layers": None if p.pp_layers is None else list(p.pp_layers),
+                         "expert_placement": p.expert_placement},
+            "formats": {r.pattern: r.as_yaml() for r in self.formats},
+            "scale_layout": self.scale_layout,
+            "stack_experts": self.stack_experts,
+            "padding": dict(self.padding),
+            "files": {"max_bytes": self.max_file_bytes, "data_alignment": self.data_alignment},
+            "memory": {"runtime_reserve_bytes": self.runtime_reserve_bytes},
+        }
+
+    def to_yaml(self) -> bytes:
+        """Deterministic YAML of ``to_dict()`` (the bundle's ``device_weights/layout.yaml``)."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
+                              allow_unicode=True, width=100)
+        return ("# Resolved k3bundle layout: every default written out. Written by k3bundle "
+                "convert; docs/layouts.md.\n" + text).encode("utf-8")
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_yaml()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------
+# Parsing: one pass, every problem collected, one error.
+
+
+class _Problems:
+    def __init__(self, source: str):
+        self.source = source
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, rule: str, message: str) -> None:
+        self.items.append((rule, message))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            text = "; ".join(f"[{r}] {m}" for r, m in self.items)
+            raise LayoutError(f"{self.source}: {text}", [r for r, _ in self.items])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _section(data: Any, where: str, allowed: tuple[str, ...], p: _Problems) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        p.add("layout-field", f"{where} must be a mapping, got {type(data).__name__}")
+        return {}
+    for key in data:
+        if key not in allowed:
+            p.add("layout-field", f"unknown field {where}.{key} (allowed: {', '.join(allowed)})"
+                  if where else f"unknown field {key} (allowed: {', '.join(allowed)})")
+    return data
+
+
+def _positive_int(d: dict, key: str, where: str, p: _Problems, default: Any = ...) -> int:
+    if key not in d:
+        if default is ...:
+            p.add("layout-field", f"required field {where}.{key} is missing")
+            return 1
+        return default
+    v = d[key]
+    if not _is_int(v) or v <= 0:
+        p.add("layout-field", f"{where}.{key} must be a positive integer, got {v!r}")
+        return 1
+    return v
+
+
+def _number(d: dict, key: str, where: str, p: _Problems, default: Any = ..., allow_zero: bool = False) -> Any:
+    if key not in d:
+        if default is ...:
+            p.add("layout-field", f"required field {where}.{key} is missing")
+            return 1
+        return default
+    v = d[key]
+    if isinstance(v, str):
+        p.add("layout-field", f"{where}.{key} must be a number, got the string {v!r} "
+                              "(YAML needs a sign in float exponents: write 8.0e+12, or 8_000_000_000_000)")
+        return 1
+    if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
+        p.add("layout-field", f"{where}.{key} must be a {'non-negative' if allow_zero else 'positive'} "
+                              f"number, got {v!r}")
+        return 1
+    return int(v) if float(v).is_integer() else float(v)
+
+
+def _card(data: Any, p: _Problems) -> Card:
+    d = _section(data, "card", ("name", "count", "hbm_bytes", "hbm_bandwidth_bytes_per_s",
+                                "link_bandwidth_bytes_per_s", "peak_flops"), p)
+    if not d:
+        p.add("layout-field", "required section card is missing")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        p.add("layout-field", f"card.name must be a non-empty string, got {name!r}")
+        name = "?"
+    flops = _section(d.get("peak_flops"), "card.peak_flops", PEAK_FLOPS_KEYS, p)
+    if not flops:
+        p.add("layout-field", "card.peak_flops must give at least one dtype (e.g. bf16)")
+    peak = {k: _number(flops, k, "card.peak_flops", p) for k in flops if k in PEAK_FLOPS_KEYS}
+    return Card(name, _positive_int(d, "count", "card", p),
+                _number(d, "hbm_bytes", "card", p),
+                _number(d, "hbm_bandwidth_bytes_per_s", "card", p),
+                _number(d, "link_bandwidth_bytes_per_s", "card", p), peak)
+
+
+def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
+    d = _section(data, "parallel", ("tp", "attention_dp", "ep", "moe_tp", "pp", "pp_layers",
+                                    "expert_placement"), p)
+    if not d:
+        p.add("layout-field", "required section parallel is missing")
+    tp = _positive_int(d, "tp", "parallel", p)
+    dp = _positive_int(d, "attention_dp", "parallel", p, 1)
+    ep = _positive_int(d, "ep", "parallel", p, 1)
+    pp = _positive_int(d, "pp", "parallel", p, 1)
+    placement = d.get("expert_placement", "contiguous")
+    if placement not in EXPERT_PLACEMENTS:
+        p.add("expert-placement", f"parallel.expert_placement {placement!r} is not supported "
+                                  f"(supported: {', '.join(EXPERT_PLACEMENTS)})")
+    layers = d.get("pp_layers")
+    if layers is not None:
+        if not isinstance(layers, list) or not all(_is_int(x) and x > 0 for x in layers):
+            p.add("pp-covers-layers", f"parallel.pp_layers must be a list of positive integers, got {layers!r}")
+            layers = None
+        elif len(layers) != pp:
+            p.add("pp-covers-layers", f"parallel.pp_layers has {len(layers)} entries but pp is {pp}")
+            layers = None
+        else:
+            layers = tuple(layers)
+    if tp * dp * pp != card_count:
+        p.add("cards-match-degrees", f"tp ({tp}) x attention_dp ({dp}) x pp ({pp}) = {tp * dp * pp} "
+                                     f"must equal card.count ({card_count})")
+    if (tp * dp) % ep:
+        p.add("ep-divides-stage", f"ep ({ep}) must divide the ranks of a pipeline stage, "
+                                  f"tp ({tp}) x attention_dp ({dp}) = {tp * dp}")
+    par = Parallel(tp, dp, ep, pp, layers, placement if placement in EXPERT_PLACEMENTS else "contiguous")
+    if "moe_tp" in d and (tp * dp) % ep == 0 and d["moe_tp"] != par.moe_tp:
+        p.add("ep-divides-stage", f"parallel.moe_tp ({d['moe_tp']!r}) must equal tp x attention_dp / ep "
+                                  f"({par.moe_tp}); it is derived and may be left out")
+    return par
+
+
+_QUANT_FROM_BF16 = ("fp8-e4m3-channel", "fp8-e4m3-block128", "mxfp4-from-bf16")
+
+
+def _format_fits(fmt: str, role: Role) -> str:
+    """Why ``fmt`` cannot store ``role`` ('' when it can)."""
+    stored = role.fmt.value
+    if fmt == "source":
+        return ""
+    if fmt in ("bf16", "f32"):
+        return "" if role.fmt.value == fmt else f"{fmt} keeps a {fmt.upper()} tensor as is, but {role.role} is stored {stored}"
+    if fmt in ("mxfp4", "nvfp4"):
+        return "" if role.fmt is Format.MXFP4 else (
+            f"{fmt} needs an MXFP4 source (routed experts), but {role.role} is stored {stored}"
+            + ("; use mxfp4-from-bf16 to quantize it" if fmt == "mxfp4" else ""))
+    if role.fmt is not Format.BF16:
+        return f"{fmt} quantizes BF16 weights, but {role.role} is stored {stored}"
+    if len(role.shape) != 2 or not role.template.endswith(".weight"):
+        return f"{fmt} quantizes 2-D linear weights, but {role.role} has shape [{', '.join(role.shape)}]"
+    return ""
+
+
+def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
+    if data is None:
+        return (FormatRule("*", "source"),)
+    if not isinstance(data, dict):
+        p.add("layout-field", f"formats must be a mapping of role pattern -> format, got {type(data).__name__}")
+        return ()
+    rules = []
+    for pattern, spec in data.items():
+        where = f"formats[{pattern!r}]"
+        opts: dict = {}
+        if isinstance(spec, dict):
+            opts = _section(spec, where, ("format", "scale_rule"), p)
+            fmt = opts.get("format")
+        else:
+            fmt = spec
+        if fmt not in FORMATS:
+            p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+            continue
+        rule = opts.get("scale_rule")
+        if fmt == "mxfp4-from-bf16":
+            if rule not in mxfp4.SCALE_RULES:
+                p.add("format-name", f"{where}: mxfp4-from-bf16 needs scale_rule, one of "
+                                     f"{', '.join(mxfp4.SCALE_RULES)} (got {rule!r})")
+                continue
+        elif rule is not None:
+            p.add("format-name", f"{where}: scale_rule applies only to mxfp4-from-bf16, not {fmt}")
+        if not isinstance(pattern, str) or not any(fnmatch.fnmatchcase(r.role, pattern) for r in ROLES):
+            p.add("format-pattern-unused", f"{where} matches no tensor role (roles look like "
+                                           "'kda.q_proj', 'moe.expert.w1'; docs/layouts.md lists them)")
+            continue
+        rules.append(FormatRule(pattern, fmt, rule))
+    out = tuple(rules)
+    # every role gets the format of its first matching rule; that format must fit the role
+    probe = Layout("", "", Card("", 1, 1, 1, 1, {}), Parallel(1), out)
+    for role in ROLES:
+        r = probe.rule_for(role)
+        why = _format_fits(r.format, role)
+        if why:
+            p.add("format-source-dtype", f"formats[{r.pattern!r}]: {why}")
+    return out
+
+
+def parse_layout(data: Any, source: str = "layout") -> Layout:
+    """Check a layout mapping (the parsed YAML) and build a ``Layout``.
+
+    Raises ``LayoutError`` listing every broken rule at once.
+    """
+    p = _Problems(source)
+    if not isinstance(data, dict):
+        raise LayoutError(f"{source}: a layout must be a YAML mapping, got {type(data).__name__}", ["layout-field"])
+    d = _section(data, "", ("schema_version", "name", "description", "card", "parallel", "formats",
+                            "scale_layout", "stack_experts", "padding", "files", "memory"), p)
+    if d.get("schema_version") != LAYOUT_SCHEMA_VERSION:
+        p.add("layout-field", f"schema_version must be {LAYOUT_SCHEMA_VERSION}, got {d.get('schema_version')!r}")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        p.add("layout-field", f"name must be a non-empty string, got {name!r}")
+        name = "?"
+    description = d.get("description", "")
+    if not isinstance(description, str):
+        p.add("layout-field", "description must be a string")
+        description = ""
+    card = _card(d.get("card"), p)
+    par = _parallel(d.get("parallel"), card.count, p)
+    formats = _formats(d.get("formats"), p)
+    scale_layout = d.get("scale_layout", "row-major")
+    if scale_layout not in SCALE_LAYOUTS:
+        p.add("layout-field", f"scale_layout {scale_layout!r} is not one of {', '.join(SCALE_LAYOUTS)}")
+    stack = d.get("stack_experts", False)
+    if not isinstance(stack, bool):
+        p.add("layout-field", f"stack_experts must be true or false, got {stack!r}")
+    padding = _section(d.get("padding"), "padding", PADDABLE_DIMS, p)
+    pads = {}
+    for dim, mult in padding.items():
+        if dim not in PADDABLE_DIMS:
+            p.add("padding-dim", f"padding.{dim}: only the per-rank sizes of {', '.join(PADDABLE_DIMS)} "
+                                 "can be padded (heads cannot)")
+        elif not _is_int(mult) or mult <= 0:
+            p.add("padding-dim", f"padding.{dim} must be a positive integer multiple, got {mult!r}")
+        else:
+            pads[dim] = mult
+    if "Ie" in pads and pads["Ie"] % mxfp4.BLOCK:
+        p.add("padding-mxfp4-block", f"padding.Ie ({pads['Ie']}) must be a multiple of the MXFP4 block "
+                                     f"({mxfp4.BLOCK}): routed experts are stored in 32-element blocks")
+    files = _section(d.get("files"), "files", ("max_bytes", "data_alignment"), p)
+    max_bytes = _positive_int(files, "max_bytes", "files", p, 5_000_000_000)
+    align = _positive_int(files, "data_alignment", "files", p, 8)
+    if align % 8 or align & (align - 1):
+        p.add("layout-field", f"files.data_alignment ({align}) must be a power of two and a multiple of 8")
+    memory = _section(d.get("memory"), "memory", ("runtime_reserve_bytes",), p)
+    reserve = _number(memory, "runtime_reserve_bytes", "memory", p, 0, allow_zero=True)
+    if _is_number(reserve) and _is_number(card.hbm_bytes) and reserve >= card.hbm_bytes:
+        p.add("layout-field", f"memory.runtime_reserve_bytes ({reserve}) must be below card.hbm_bytes "
+                              f"({card.hbm_bytes})")
+    p.raise_if_any()
+    return Layout(name, description, card, par, formats, scale_layout, stack, pads, max_bytes, align,
+                  int(reserve), path=source)
+
+
+# ------------------------------------------------------------------------------------------
+# Lookup
+
+
+def layout_dirs() -> list[Path]:
+    """Where named layouts are looked up, in order (repository root first)."""
+    return [d for d in (_REPO_LAYOUTS, _WHEEL_LAYOUTS) if d.is_dir()]
+
+
+def layout_names() -> list[str]:
+    names: set[str] = set()
+    for d in layout_dirs():
+        names.update(p.name[:-5] for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def find_layout(target: str) -> Path:
+    """The YAML file for a layout name (or a path to a YAML file)."""
+    if target.endswith((".yaml", ".yml")) or "/" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise LayoutError(f"layout file {target} not found", ["layout-not-found"])
+        return path
+    for d in layout_dirs():
+        path = d / f"{target}.yaml"
+        if path.is_file():
+            return path
+    raise LayoutError(f"layout {target!r} not found; available: {', '.join(layout_names()) or 'none'} "
+                      f"(searched {', '.join(str(d) for d in layout_dirs()) or 'no layout directory'})",
+                      ["layout-not-found"])
+
+
+def load_layout(target: str) -> Layout:
+    """Find, read and check a layout by name or path."""
+    path = find_layout(target)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise LayoutError(f"{path}: not valid YAML: {e}", ["layout-field"]) from None
+    layout = parse_layout(data, source=str(path))
+    stem = path.name.rsplit(".", 1)[0]
+    if not (target.endswith((".yaml", ".yml")) or "/" in target) and layout.name != stem:
+        raise LayoutError(f"{path}: name {layout.name!r} must equal the file name {stem!r}", ["layout-field"])
+    return layout
