@@ -9,9 +9,18 @@ import click
 import typer
 
 from k3bundle import __version__
+from k3bundle.cli import demo as demo_cmd
+from k3bundle.cli import golden as golden_cmd
 from k3bundle.cli import inspect as inspect_cmd
+from k3bundle.cli import pull as pull_cmd
+from k3bundle.cli import run as run_cmd
 from k3bundle.cli import schema as schema_cmd
 from k3bundle.cli import synth as synth_cmd
+from k3bundle.cli import validate as validate_cmd
+from k3bundle.cli import plan as plan_cmd
+from k3bundle.cli import convert as convert_cmd
+from k3bundle.cli import verify as verify_cmd
+from k3bundle.cli import trace as trace_cmd
 from k3bundle.errors import K3Error
 
 app = typer.Typer(
@@ -30,6 +39,15 @@ def _epilog(examples: list[str]) -> str:
 app.command("synth", epilog=_epilog(synth_cmd.EXAMPLES))(synth_cmd.synth)
 app.command("schema", epilog=_epilog(schema_cmd.EXAMPLES))(schema_cmd.schema)
 app.command("inspect", epilog=_epilog(inspect_cmd.EXAMPLES))(inspect_cmd.inspect)
+app.command("plan", epilog=_epilog(plan_cmd.EXAMPLES))(plan_cmd.plan)
+app.command("convert", epilog=_epilog(convert_cmd.EXAMPLES))(convert_cmd.convert)
+app.command("verify", epilog=_epilog(verify_cmd.EXAMPLES))(verify_cmd.verify)
+app.command("trace", epilog=_epilog(trace_cmd.EXAMPLES))(trace_cmd.trace)
+app.command("run", epilog=_epilog(run_cmd.EXAMPLES))(run_cmd.run)
+app.command("pull", epilog=_epilog(pull_cmd.EXAMPLES))(pull_cmd.pull)
+app.command("golden", epilog=_epilog(golden_cmd.EXAMPLES))(golden_cmd.golden)
+app.command("validate", epilog=_epilog(validate_cmd.EXAMPLES))(validate_cmd.validate)
+app.command("demo", epilog=_epilog(demo_cmd.EXAMPLES))(demo_cmd.demo)
 
 
 def _version(value: bool) -> None:

@@ -99,11 +99,13 @@ class ModelCache:
         return sum(s.nbytes for s in self.layers)
 
 
-def new_cache(text: TextConfig, act_dtype, state_dtype, device) -> ModelCache:
+def new_cache(text: TextConfig, act_dtype, state_dtype, device, kda_heads: int | None = None) -> ModelCache:
+    """Empty state; ``kda_heads`` is the number of KDA heads this process holds (a TP rank's share)."""
     la = text.linear_attn_config
     width = text.kv_lora_rank + text.qk_rope_head_dim
+    heads = la.num_heads if kda_heads is None else kda_heads
     layers = [MLAState.empty(width, act_dtype, device) if text.is_mla(l) else
-              KDAState.zeros(la.num_heads, la.head_dim, la.head_dim, la.short_conv_kernel_size,
+              KDAState.zeros(heads, la.head_dim, la.head_dim, la.short_conv_kernel_size,
                              state_dtype, act_dtype, device)
               for l in range(text.num_hidden_layers)]
     return ModelCache(layers, 0)

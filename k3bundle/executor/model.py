@@ -62,7 +62,7 @@ class Executor:
 
     def new_cache(self) -> ModelCache:
         p = self.w.policy
-        return new_cache(self.text, p.act, p.state, self.w.device)
+        return new_cache(self.text, p.act, p.state, self.w.device, getattr(self.w, "kda_heads", None))
 
     # ---- public API ----
     def prefill(self, ids: Sequence[int] | torch.Tensor, cache: ModelCache | None = None,

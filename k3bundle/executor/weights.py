@@ -127,6 +127,9 @@ class WeightSource(ABC):
     def global_tensor(self, role: str) -> torch.Tensor:
         """final_norm, out_res.norm, out_res.proj, lm_head."""
 
+    #: KDA heads held by this source (a TP rank holds a slice); None = all of them
+    kda_heads: int | None = None
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 

@@ -53,13 +53,30 @@ def _chunk_boundaries(length: int, chunk: int) -> list[int]:
     return sorted({grid[int((i + 1) * step) - 1] for i in range(MAX_CHUNK_SNAPSHOTS)})
 
 
+class _Both:
+    """Two tap recorders behind the executor's one ``taps`` slot."""
+
+    def __init__(self, *recorders: TapRecorder):
+        self.recorders = recorders
+
+    def record(self, name, value, start):
+        for r in self.recorders:
+            r.record(name, value, start)
+
+    def record_state(self, name, value):
+        for r in self.recorders:
+            r.record_state(name, value)
+
+
 def run_case(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
     """The golden arrays of one case, keys relative to the case (``tap``, ``positions``, ...)."""
     text = weights.config.text
     positions = case.taps.positions(len(ids))
     decode_positions = list(range(len(ids), len(ids) + max(case.steps - 1, 0)))
     rec = TapRecorder(positions=positions + decode_positions)
-    ex = Executor(weights, taps=rec)
+    # expert choices at every position (small), so a device run can replay them (forced routing)
+    routes = TapRecorder(names=["layers.*.router_ids"])
+    ex = Executor(weights, taps=_Both(rec, routes))
     bounds = _chunk_boundaries(len(ids), ex.chunk)
     logits_TV, cache = ex.prefill(ids, snapshot_at=bounds)
     out: dict[str, np.ndarray] = {"positions": np.asarray(positions, dtype=np.int64)}
@@ -86,6 +103,8 @@ def run_case(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
             for l, s in enumerate(cache.layers):
                 states[l].append(s.recurrent_HKV if isinstance(s, KDAState) else s.latent_SC[-1])
     out["greedy_tokens"] = np.asarray(tokens, dtype=np.int64)
+    for name in routes.names():  # prompt + decode positions, in position order
+        out[f"routes.{name}"] = _np(routes[name])
     out["step_logits"] = _np(torch.stack(step_rows[: case.steps])) if case.steps else np.zeros((0, text.vocab_size), np.float32)
     for l, rows in states.items():
         if rows:
@@ -101,14 +120,23 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
                      long_tokens: int | None = None, seed: int = 0,
                      progress: Callable[[int, int, str], None] | None = None) -> GoldenResult:
-    """Write the golden files for ``source`` (a checkpoint directory) into ``out``."""
+    """Write the golden files for ``source`` (a checkpoint or a bundle directory) into ``out``.
+
+    A bundle's goldens come from its device weights merged over ranks, in high precision: for
+    a pass-through bundle these are the source's values bit for bit (``verify`` proves it).
+    """
     source = Path(source)
     out = Path(out) if out else source / "validation"
     torch.manual_seed(seed)
     cases = load_cases(cases_dir)
     tol_file = tolerance_path(tolerance)
     encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
-    weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
+    if (source / "manifest.json").is_file():  # a bundle: its device weights, every rank merged
+        from k3bundle.bundle.weights import BundleWeights
+
+        weights = BundleWeights(source, dtype=dtype, device=device)
+    else:
+        weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
 
     inputs: dict[str, np.ndarray] = {}
     inter: dict[str, np.ndarray] = {}

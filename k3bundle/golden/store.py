@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import zstandard
 
+from k3bundle.bundle.common import write_atomic
 from k3bundle.errors import K3Error
 
 META_KEY = "__meta__"
@@ -71,12 +71,7 @@ def write_npz(path: str | Path, arrays: dict[str, np.ndarray], compress: bool = 
     data = _npz_bytes(arrays)
     if compress:
         data = zstandard.ZstdCompressor(level=3).compress(data)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)
 
 
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:

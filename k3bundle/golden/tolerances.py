@@ -2,6 +2,8 @@
 
 A file has five sections (docs/validation.md explains each number's origin):
 - ``added``: the error one layer adds when fed the golden input (teacher-forced), per tap kind;
+- ``emulation``: a dumped layer output against k3bundle's emulation of that layer in the dump's
+  own precision, fed the dump's own inputs (arithmetic noise only; spec §12 "bit-exact emulation");
 - ``inherited``: the error a free-running device run carries to each tap;
 - ``logits``: KL divergence mean / p99 and top-1 agreement against the golden distribution;
 - ``router``: expert-set agreement and the near-tie margin that exempts a flip;
@@ -27,7 +29,7 @@ TAP_KINDS = ("embed", "attn_res_out", "mixer_out", "ffn_res_out", "ffn_out", "ro
              "final_hidden", "logits", "kda_state", "kda_conv", "mla_latent")
 METRICS = {"nmse": "max", "cosine": "min", "max_abs": "max"}
 SECTIONS = {
-    "added": None, "inherited": None,
+    "added": None, "inherited": None, "emulation": None,
     "logits": {"kld_mean", "kld_p99", "top1"},
     "router": {"expert_set", "near_tie_eps"},
     "greedy": {"near_tie_margin"},
@@ -49,6 +51,7 @@ class Tolerances:
     name: str
     added: dict[str, dict[str, float]]
     inherited: dict[str, dict[str, float]]
+    emulation: dict[str, dict[str, float]]
     logits: dict[str, float]
     router: dict[str, float]
     greedy: dict[str, float]

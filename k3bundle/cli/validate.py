@@ -1,0 +1,52 @@
+"""``k3bundle validate``: judge a device run against the goldens; write the sign-off report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3bundle.cli._common import JsonOpt, Output, progress_bar
+from k3bundle.validate.report import to_json, write_reports
+from k3bundle.validate.run import validate as run_validate
+from k3bundle.validate.sources import weights_factory
+
+EXAMPLES = [
+    "k3bundle validate /tmp/k3-bundle",
+    "k3bundle validate /data/k3-bundle --device cuda",
+    "k3bundle validate /data/k3-bundle --ranks distributed --nproc 2",
+    "k3bundle validate /data/k3-bundle --dumps /data/vllm-dumps",
+]
+
+
+def validate(
+    bundle: Annotated[Path, typer.Argument(help="A bundle (or a source checkpoint) with validation/ goldens.")],
+    device: Annotated[str, typer.Option(help="Torch device for the built-in executor: cpu, cuda, ...")] = "cpu",
+    dumps: Annotated[Path | None, typer.Option(help="Judge intermediates dumped by an external runtime instead (docs/dump-format.md).")] = None,
+    ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
+    nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports).")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
+    if ranks not in ("merged", "distributed"):
+        raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
+    factory = weights_factory(bundle, device=device, ranks=ranks, nproc=nproc)
+    with progress_bar("validate", enabled=not json_) as update:
+        rep = run_validate(bundle, factory, dumps=dumps, device=device, progress=update)
+    files = write_reports(rep, out or bundle / "reports")
+    lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({device}) against {rep.tolerances.name} tolerances, "
+             f"{rep.seconds:.1f} s"]
+    for c in rep.cases:
+        if c.status == "not run":
+            lines.append(f"  {c.name:<13} not run: {c.reason}")
+            continue
+        ff = c.first_failure
+        where = "" if ff is None else f" — first failure: layer {ff.layer}, {ff.tap} ({ff.mode})"
+        failed = sum(not r.passed for r in c.results)
+        lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
+    lines.append("reports: " + ", ".join(str(f) for f in files))
+    Output(json_).result("\n".join(lines), {**to_json(rep), "reports": [str(f) for f in files]})
+    sys.exit(rep.exit_code)

@@ -1,0 +1,143 @@
+"""Judge candidate intermediates against goldens, tap by tap (Polygraphy-style results).
+
+Every comparison returns a ``TapResult`` that carries its evidence: the metric values, the
+limits applied, whether it passed, and for a failure the minimum limit that would have passed
+(style-anchors §5). ``first_failure`` orders results in forward order (layer, then the tap's
+place in the layer) so the first failing layer and tap are named.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from k3bundle.golden.tolerances import METRICS, Tolerances, tap_kind
+from k3bundle.validate import metrics as M
+
+# forward order of per-layer taps inside one layer
+_ORDER = ("attn_res_out", "mixer_out", "ffn_res_out", "router_ids", "router_weights", "ffn_out",
+          "kda_state", "kda_conv", "mla_latent")
+_AT_LEAST = {"cosine", "top1", "top5", "expert_set"}  # metrics where larger is better
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(tap: str) -> int | None:
+    m = _LAYER.search(tap)
+    return int(m.group(1)) if m else None
+
+
+def forward_key(tap: str) -> tuple:
+    """Sort key: embed, then layers in order (taps in forward order), then final taps."""
+    l = layer_of(tap)
+    kind = tap_kind(tap)
+    decode = tap.startswith("decode.")
+    if l is None:
+        return (decode, 0 if kind == "embed" else 10**9, 0, tap)
+    return (decode, l + 1, _ORDER.index(kind) if kind in _ORDER else len(_ORDER), tap)
+
+
+@dataclass
+class TapResult:
+    case: str
+    tap: str
+    mode: str  # "inherited" (free-running) or "added" (teacher-forced)
+    values: dict[str, float]
+    limits: dict[str, float]
+    passed: bool
+    min_required: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def layer(self) -> int | None:
+        return layer_of(self.tap)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def line(self) -> str:
+        vals = ", ".join(f"{k}={_fmt(v)}" for k, v in self.values.items())
+        lims = ", ".join(f"{k} {'>=' if k in _AT_LEAST else '<='} {_fmt(v)}"
+                         for k, v in self.limits.items())
+        status = "PASSED" if self.passed else "FAILED"
+        return f"{status} | {self.case} | {self.mode} | {self.tap} | {vals} | limits {lims}"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3e}" if isinstance(v, float) and (abs(v) < 1e-2 or abs(v) > 1e4) and v != 0 else f"{v:.6g}"
+
+
+def judge(values: dict[str, float], limits: dict[str, float]) -> tuple[bool, dict[str, float]]:
+    ok, need = True, {}
+    for metric, limit in limits.items():
+        v = values.get(metric)
+        if v is None:
+            continue
+        good = v <= limit if METRICS[metric] == "max" else v >= limit
+        if not good or (isinstance(v, float) and math.isnan(v)):
+            ok = False
+            need[metric] = v
+    return ok, need
+
+
+def compare_tensor(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
+                   mode: str) -> TapResult:
+    limits = tol.limits(mode, tap)
+    values = {"nmse": M.nmse(ref, x), "cosine": M.cosine(ref, x), "max_abs": M.max_abs(ref, x)}
+    ok, need = judge(values, limits)
+    return TapResult(case, tap, mode, values, limits, ok, need)
+
+
+def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances) -> TapResult:
+    k = M.kld(ref, x)
+    values = {"kld_mean": float(k.mean()) if k.numel() else 0.0, "kld_p99": M.quantile(k, 0.99),
+              "top1": M.topk_agreement(ref, x, 1), "top5": M.topk_agreement(ref, x, min(5, ref.shape[-1]))}
+    limits = dict(tol.logits)
+    ok = True
+    need = {}
+    for name, limit in limits.items():
+        v = values[name]
+        good = v >= limit if name == "top1" else v <= limit
+        if not good or math.isnan(v):
+            ok, need[name] = False, v
+    return TapResult(case, tap, "distribution", values, limits, ok, need)
+
+
+def compare_router(case: str, tap: str, ref_ids: torch.Tensor, ids: torch.Tensor,
+                   ref_margin: torch.Tensor | None, tol: Tolerances) -> TapResult:
+    eps = tol.router.get("near_tie_eps", 0.0)
+    agree, exempt = M.expert_set_agreement(ref_ids, ids, ref_margin, eps)
+    limit = tol.router.get("expert_set", 1.0)
+    ok = agree >= limit
+    return TapResult(case, tap, "router", {"expert_set": agree, "near_tie_exempt": float(exempt)},
+                     {"expert_set": limit}, ok, {} if ok else {"expert_set": agree})
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    matched: int  # tokens equal before the first divergence
+    total: int
+    first_divergence: int | None  # step index, None if all equal
+    near_tie: bool  # the golden top-1 / top-2 gap at that step was below the margin
+    passed: bool
+
+
+def compare_greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances) -> GreedyResult:
+    ref_tokens, tokens = list(map(int, ref_tokens)), list(map(int, tokens))
+    n = min(len(ref_tokens), len(tokens))
+    first = next((i for i in range(n) if ref_tokens[i] != tokens[i]), None)
+    if first is None and len(ref_tokens) != len(tokens):
+        first = n
+    if first is None:
+        return GreedyResult(len(ref_tokens), len(ref_tokens), None, False, True)
+    near = False
+    if first < ref_step_logits.shape[0]:
+        top2 = ref_step_logits[first].to(torch.float64).topk(2).values
+        near = float(top2[0] - top2[1]) < tol.greedy.get("near_tie_margin", 0.0)
+    return GreedyResult(first, len(ref_tokens), first, near, near)
+
+
+def first_failure(results: list[TapResult]) -> TapResult | None:
+    failing = [r for r in results if not r.passed]
+    return min(failing, key=lambda r: forward_key(r.tap)) if failing else None

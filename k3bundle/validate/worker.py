@@ -1,0 +1,73 @@
+"""A torchrun worker of ``k3bundle validate --ranks distributed`` (see ``distributed.py``).
+
+Usage (launched by validate): ``torchrun --nproc_per_node N -m k3bundle.validate.worker
+BUNDLE VALIDATION_DIR OUT_DIR DEVICE``. Every rank runs every case on its own shard of the
+weights; rank 0 writes ``OUT_DIR/CASE.npz`` with the device arrays (``cand/…``) and the
+teacher-forced layer outputs (``outs/…``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from k3bundle.bundle.weights import BundleWeights
+from k3bundle.golden.store import read_meta, read_npz, write_npz
+from k3bundle.validate.device import device_case, layer_outputs
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _gather_heads(cand: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
+    """KDA states are per-rank head slices: join them so rank 0 holds the whole state."""
+    out = {}
+    for k, v in cand.items():
+        dim = -3 if k.endswith("kda_state") else (-1 if k.endswith("kda_conv") else None)
+        if dim is None:
+            out[k] = v
+            continue
+        parts = [torch.empty_like(v) for _ in range(world)]
+        dist.all_gather(parts, v.contiguous())
+        out[k] = torch.cat(parts, dim=dim)
+    return out
+
+
+def main(bundle: str, validation: str, out: str, device: str) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    rank = int(os.environ["RANK"])
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend)
+    try:
+        weights = BundleWeights(bundle, dtype="bfloat16", device=device, rank=rank)
+        inputs = read_npz(Path(validation) / "golden_inputs.npz")
+        inter = read_npz(Path(validation) / "golden_intermediates.npz")
+        for entry in read_meta(inter).get("cases", []):
+            if entry.get("status") != "ok":
+                continue
+            name = entry["name"]
+            golden = {k[len(name) + 1:]: v for k, v in inter.items() if k.startswith(name + "/")}
+            ids = inputs[f"{name}/ids"]
+            cand = _gather_heads(device_case(weights, golden, ids), weights.world)
+            full = int(golden["positions"].size) == int(ids.size)
+            outs = layer_outputs(weights, golden.get) if full else {}
+            if rank == 0:
+                arrays = {f"cand/{k}": _np(v) for k, v in cand.items()}
+                arrays.update({f"outs/{k}": _np(v) for k, v in outs.items()})
+                write_npz(Path(out) / f"{name}.npz", arrays)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

@@ -1,0 +1,216 @@
+"""validate: a clean tiny bundle passes (merged, gloo TP=2, gloo EP=2); injected faults are
+caught and located; dumps are judged; bad dumps are rejected with exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k3bundle.golden.generate import generate_goldens
+from k3bundle.golden.store import read_npz
+from k3bundle.io import SafetensorsFile
+from tests.conftest import REPO, run_cli
+
+LAYOUT = """schema_version: 1
+name: {name}
+description: "test layout: {name}"
+card: {{name: test card, count: 2, hbm_bytes: 80_000_000_000, hbm_bandwidth_bytes_per_s: 3.0e+12,
+        link_bandwidth_bytes_per_s: 4.5e+11, peak_flops: {{bf16: 1.0e+15}}}}
+parallel: {{tp: 2, attention_dp: 1, ep: {ep}, pp: 1, expert_placement: contiguous}}
+formats: {{"*": source}}
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, tiny_ckpt):
+    """Goldens (a short case subset) and two converted tiny bundles: TP2 and TP2+EP2."""
+    from k3bundle.convert import convert
+
+    root = tmp_path_factory.mktemp("validate")
+    cases = root / "cases"
+    cases.mkdir()
+    for name in ("greedy", "long_context", "image"):
+        shutil.copy(REPO / "golden" / "cases" / f"{name}.yaml", cases)
+    golden = root / "golden"
+    generate_goldens(tiny_ckpt, out=golden, cases_dir=cases, long_tokens=300)
+    bundles = {}
+    for name, ep in (("tiny-tp2", 1), ("tiny-ep2", 2)):
+        layout = root / f"{name}.yaml"
+        layout.write_text(LAYOUT.format(name=name, ep=ep))
+        out = root / name
+        convert(tiny_ckpt, str(layout), out, workers=1)
+        shutil.copytree(golden, out / "validation")
+        bundles[name] = out
+    return {"root": root, "golden": golden, **bundles}
+
+
+def _copy(bundle: Path, tmp_path: Path) -> Path:
+    out = tmp_path / bundle.name
+    shutil.copytree(bundle, out)
+    return out
+
+
+def _entry(bundle: Path, rank: int, key_suffix: str) -> dict:
+    index = json.loads((bundle / "weights.index.json").read_text())
+    hits = [e for e in index["tensors"] if e["rank"] == rank and e["key"].endswith(key_suffix)]
+    assert len(hits) == 1, (key_suffix, len(hits))
+    return hits[0]
+
+
+def _patch(bundle: Path, entry: dict, fn) -> None:
+    """Rewrite one device tensor in place (same bytes length), as a corrupted bundle would."""
+    path = bundle / entry["file"]
+    with SafetensorsFile(path) as f:
+        info = f.info(entry["key"])
+        t = f.get(entry["key"])
+    new = fn(t.clone()).contiguous()
+    assert new.dtype == t.dtype and new.numel() == t.numel()
+    raw = new.view(torch.uint8).numpy().tobytes() if new.dtype != torch.uint8 else new.numpy().tobytes()
+    with open(path, "r+b") as fh:
+        fh.seek(info.abs_begin)
+        fh.write(raw)
+
+
+def _validate(bundle: Path, *extra: str):
+    r = run_cli("validate", str(bundle), "--json", *extra, env={"OMP_NUM_THREADS": "1"})
+    data = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
+    return r, data
+
+
+def _first(data: dict) -> tuple[int | None, str]:
+    fails = [c for c in data["cases"] if c["status"] == "fail"]
+    assert fails, "expected a failing case"
+    ff = fails[0]["first_failure"]
+    return ff["layer"], ff["tap"]
+
+
+@pytest.mark.parametrize("name,ranks", [("tiny-tp2", "merged"), ("tiny-tp2", "distributed"),
+                                        ("tiny-ep2", "distributed")])
+def test_clean_bundle_passes(work, name, ranks):
+    r, data = _validate(work[name], "--ranks", ranks)
+    assert r.returncode == 0, r.stderr[-2000:]
+    status = {c["name"]: c["status"] for c in data["cases"]}
+    assert status == {"greedy": "pass", "long_context": "pass", "image": "not run"}
+    for f in ("signoff.json", "signoff.md", "signoff.html"):
+        assert (work[name] / "reports" / f).is_file()
+    assert "<svg" in (work[name] / "reports" / "signoff.html").read_text()
+
+
+def test_negated_dt_bias_on_one_rank_is_located(work, tmp_path):
+    b = _copy(work["tiny-tp2"], tmp_path)
+    _patch(b, _entry(b, 1, "layers.2.self_attn.dt_bias"), lambda t: -t)
+    r, data = _validate(b)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert _first(data) == (2, "layers.2.mixer_out")
+
+
+def test_swapped_experts_are_located(work, tmp_path):
+    b = _copy(work["tiny-ep2"], tmp_path)
+    golden = read_npz(work["golden"] / "golden_intermediates.npz")
+    ids = golden["greedy/layers.1.router_ids"]
+    on0 = [e for e in np.unique(ids) if e < 8]
+    on1 = [e for e in np.unique(ids) if e >= 8]
+    e0, e1 = int(on0[0]), int(on1[0])  # used experts, one on each EP rank
+    for w in ("w1.weight_packed", "w2.weight_packed", "w3.weight_packed",
+              "w1.weight_scale", "w2.weight_scale", "w3.weight_scale"):
+        a, c = _entry(b, 0, f"layers.1.block_sparse_moe.experts.{e0}.{w}"), _entry(b, 1, f"layers.1.block_sparse_moe.experts.{e1}.{w}")
+        with SafetensorsFile(b / a["file"]) as fa, SafetensorsFile(b / c["file"]) as fc:
+            ta, tc = fa.get(a["key"]), fc.get(c["key"])
+        _patch(b, a, lambda t: tc)
+        _patch(b, c, lambda t: ta)
+    r, data = _validate(b)
+    assert r.returncode == 1
+    assert _first(data) == (1, "layers.1.ffn_out")
+
+
+def test_changed_mxfp4_scale_byte_is_located(work, tmp_path):
+    b = _copy(work["tiny-tp2"], tmp_path)
+    golden = read_npz(work["golden"] / "golden_intermediates.npz")
+    vals, counts = np.unique(golden["greedy/layers.4.router_ids"], return_counts=True)
+    e = int(vals[counts.argmax()])  # the expert layer 4 uses most
+    entry = _entry(b, 0, f"layers.4.block_sparse_moe.experts.{e}.w2.weight_scale")
+
+    def bump(t):
+        t[0, 0] = t[0, 0] + 8  # one E8M0 byte: that block's 32 weights x 256
+        return t
+
+    _patch(b, entry, bump)
+    r, data = _validate(b)
+    assert r.returncode == 1
+    assert _first(data) == (4, "layers.4.ffn_out")
+
+
+def test_transposed_tp_shard_is_located(work, tmp_path):
+    b = _copy(work["tiny-tp2"], tmp_path)
+    entry = _entry(b, 0, "layers.0.mlp.gate_proj.weight")
+    assert entry["shape"][0] == entry["shape"][1]  # a square shard: transposed, same shape
+    _patch(b, entry, lambda t: t.t())
+    r, data = _validate(b)
+    assert r.returncode == 1
+    assert _first(data) == (0, "layers.0.ffn_out")
+
+
+def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None) -> Path:
+    inter = read_npz(golden_dir / "golden_intermediates.npz")
+    out.mkdir()
+    for case in ("greedy", "long_context"):
+        p = f"{case}/"
+        taps = {k[len(p):]: torch.from_numpy(v.copy()) for k, v in inter.items()
+                if k.startswith(p) and (k[len(p):].startswith("layers.") or k[len(p):] in ("logits", "final_hidden", "embed",
+                                                                                       "greedy_tokens", "step_logits"))
+                and not k.endswith("router_margin")}
+        if perturb and case == "greedy":
+            x = taps[perturb]
+            g = torch.Generator().manual_seed(0)
+            taps[perturb] = x + 1e-2 * x.norm() / x.numel() ** 0.5 * torch.randn(x.shape, generator=g, dtype=x.dtype)
+        save_file({k: v.contiguous() for k, v in taps.items()}, str(out / f"{case}.safetensors"))
+    return out
+
+
+def test_dumps_clean_pass_and_perturbed_layer_is_located(work, tmp_path):
+    clean = _dumps_from_golden(work["golden"], tmp_path / "clean")
+    r, data = _validate(work["tiny-tp2"], "--dumps", str(clean), "--out", str(tmp_path / "r1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    bad = _dumps_from_golden(work["golden"], tmp_path / "bad", perturb="layers.5.mixer_out")
+    r, data = _validate(work["tiny-tp2"], "--dumps", str(bad), "--out", str(tmp_path / "r2"))
+    assert r.returncode == 1
+    assert _first(data) == (5, "layers.5.mixer_out")
+    greedy = next(c for c in data["cases"] if c["name"] == "greedy")
+    assert greedy["first_failure"]["mode"] == "emulation"
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("missing", "required tap 'layers.3.ffn_out' is missing"),
+    ("shape", "has shape"),
+    ("nan", "NaN/Inf"),
+])
+def test_bad_dumps_exit_2(work, tmp_path, fault, needle):
+    d = _dumps_from_golden(work["golden"], tmp_path / "d")
+    from safetensors.torch import load_file
+
+    path = d / "greedy.safetensors"
+    taps = load_file(str(path))
+    if fault == "missing":
+        del taps["layers.3.ffn_out"]
+    elif fault == "shape":
+        taps["layers.2.mixer_out"] = taps["layers.2.mixer_out"][:-1].contiguous()
+    else:
+        taps["logits"][0, 0] = float("nan")
+    save_file(taps, str(path))
+    r, _ = _validate(work["tiny-tp2"], "--dumps", str(d), "--out", str(tmp_path / "r"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "greedy.safetensors" in lines[0]
+
+
+def test_missing_goldens_exit_2(tmp_path, work):
+    b = _copy(work["tiny-tp2"], tmp_path)
+    shutil.rmtree(b / "validation")
+    r, _ = _validate(b)
+    assert r.returncode == 2 and "run `k3bundle golden` first" in r.stderr
