@@ -65,7 +65,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def main() -> None:
     """Entry point: known errors become one line on stderr and exit code 2."""
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # click returns typer.Exit's code here instead of exiting
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except K3Error as e:
         if os.environ.get("K3BUNDLE_DEBUG"):
             raise
