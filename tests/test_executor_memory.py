@@ -20,7 +20,8 @@ from k3bundle.synth import checkpoint, presets
 CHILD = r"""
 import json, resource, sys, torch
 from k3bundle.executor import Executor, SourceWeights
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM of this process image (ru_maxrss survives exec and would include the forking pytest)
+peak = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
 w = SourceWeights(sys.argv[1], dtype="float32", expert_cache=0)
 ex = Executor(w)
 base = peak()

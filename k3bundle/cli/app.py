@@ -21,6 +21,7 @@ from k3bundle.cli import plan as plan_cmd
 from k3bundle.cli import convert as convert_cmd
 from k3bundle.cli import verify as verify_cmd
 from k3bundle.cli import trace as trace_cmd
+from k3bundle.cli import checklist as checklist_cmd
 from k3bundle.errors import K3Error
 
 app = typer.Typer(
@@ -48,6 +49,7 @@ app.command("pull", epilog=_epilog(pull_cmd.EXAMPLES))(pull_cmd.pull)
 app.command("golden", epilog=_epilog(golden_cmd.EXAMPLES))(golden_cmd.golden)
 app.command("validate", epilog=_epilog(validate_cmd.EXAMPLES))(validate_cmd.validate)
 app.command("demo", epilog=_epilog(demo_cmd.EXAMPLES))(demo_cmd.demo)
+app.command("checklist", epilog=_epilog(checklist_cmd.EXAMPLES))(checklist_cmd.checklist)
 
 
 def _version(value: bool) -> None:

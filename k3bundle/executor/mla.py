@@ -49,20 +49,31 @@ def _causal_softmax(scores_HTS: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.softmax(scores_HTS.masked_fill(~allowed_TS, -torch.inf), dim=-1)  # (M4)
 
 
+QUERY_BLOCK = 1024  # queries per score block in the naive form: bounds memory at [H, 1024, S]
+
+
 def attend_naive(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:
-    """(M2-M4) with K and V expanded from the latent cache; returns o [T, H, V] (activation dtype)."""
+    """(M2-M4) with K and V expanded from the latent cache; returns o [T, H, V] (activation dtype).
+
+    Queries are processed in blocks of ``QUERY_BLOCK`` so a long prefill never holds a [H, T, S]
+    score tensor; each block attends only to the keys it can see (causal), which is exact.
+    """
     N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
     S, act, c = latent_SC.shape[0], q_nope.dtype, compute_dtype(q_nope)
     kv_SHE = linear(latent_SC[:, :L], W["mla.kv_b_proj"]).view(S, -1, N + V)  # (M2) [k_nope | v]
     H = kv_SHE.shape[1]
-    k_SHE = torch.cat([kv_SHE[..., :N], latent_SC[:, None, L:].expand(S, H, -1)], -1)  # (M3) shared k_pe
-    # scores, softmax and P·V in FP32 (FP64 under float64) from activation-dtype operands
-    q_THE, k_SHE, v_SHV = torch.cat([q_nope, q_pe], dim=-1).to(c), k_SHE.to(c), kv_SHE[..., N:].to(c)
+    k_SHE = torch.cat([kv_SHE[..., :N], latent_SC[:, None, L:].expand(S, H, -1)], -1).to(c)  # (M3) shared k_pe
+    v_SHV = kv_SHE[..., N:].to(c)
+    q_THE = torch.cat([q_nope, q_pe], dim=-1).to(c)
     scale = (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4) no YaRN mscale, no cap
-    scores_HTS = torch.einsum("the,she->hts", q_THE, k_SHE) * scale  # (M4) Q_h K_hᵀ · 192^(-1/2)
-    p_HTS = _causal_softmax(scores_HTS, offset)  # (M4)
-    o_THV = torch.einsum("hts,shv->thv", p_HTS, v_SHV)  # (M4) o_h = P V_h
-    return o_THV.to(act)
+    out = []
+    for t0 in range(0, q_THE.shape[0], QUERY_BLOCK):
+        t1 = min(t0 + QUERY_BLOCK, q_THE.shape[0])
+        keys = offset + t1  # keys a query of this block may see: positions < offset + t1
+        scores_HTS = torch.einsum("the,she->hts", q_THE[t0:t1], k_SHE[:keys]) * scale  # (M4)
+        p_HTS = _causal_softmax(scores_HTS, offset + t0)  # (M4)
+        out.append(torch.einsum("hts,shv->thv", p_HTS, v_SHV[:keys]))  # (M4) o_h = P V_h
+    return torch.cat(out).to(act)
 
 
 def attend_absorbed(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:

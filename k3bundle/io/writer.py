@@ -198,7 +198,8 @@ def _check_metadata(path: str, metadata: Optional[Mapping[str, str]]) -> None:
             )
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory) -> None:
+    """Make a rename in ``directory`` durable (best effort: some filesystems cannot fsync a directory)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. Windows cannot open directories
@@ -284,5 +285,5 @@ def write_safetensors(
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return WrittenFile(final, sha, size)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k3bundle import __version__
+from k3bundle.io.writer import fsync_dir
 from k3bundle.pull.errors import PullError
 from k3bundle.pull.paths import SOURCE_JSON, check_name
 
@@ -93,19 +94,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_source(path: str | Path) -> SourceRecord:

@@ -1,0 +1,171 @@
+"""Assemble the checklist of one target: plan → capacity, roofline, kernels, fault paths, stages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3bundle.bundle.common import write_atomic
+from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
+from k3bundle.checklist.capacity import Capacity, capacity
+from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
+from k3bundle.checklist.kernels import Kernel, kernel_coverage
+from k3bundle.checklist.roofline import Roofline, roofline
+from k3bundle.checklist.stages import Stage, evaluate_stages
+from k3bundle.config import load_config, release_config_path
+from k3bundle.errors import K3Error
+from k3bundle.layouts import load_layout
+from k3bundle.plan import Plan, make_plan
+
+CHECKLIST_SCHEMA_VERSION = 1
+CHECKLIST_KIND = "k3bundle.checklist"
+DEFAULT_CONTEXT = 131_072  # tokens per request: a long-context request (K3 serves up to 1,048,576)
+DEFAULT_BATCH = 1
+
+
+class ChecklistError(K3Error):
+    """The checklist cannot be made as asked (flags, a bundle for another target)."""
+
+
+@dataclass
+class Checklist:
+    target: str
+    model: str  # where the config came from
+    bundle: str | None
+    plan: Plan
+    context: int
+    batch: int
+    capacity: Capacity
+    roofline: Roofline
+    kernels: list[Kernel]
+    stages: list[Stage]
+
+    @property
+    def passed(self) -> bool:
+        """The capacity verdict: the one item a checklist can fail by computation alone."""
+        return self.capacity.passed
+
+    @property
+    def ticked(self) -> int:
+        return sum(s.done for s in self.stages)
+
+    def summary(self) -> str:
+        c, d = self.capacity, self.roofline.decode
+        return (f"{self.target}: capacity {'PASS' if c.passed else 'FAIL'} (margin {c.margin:.1%}), "
+                f"TPOT ≥ {d.bound.text}, TTFT ≥ {self.roofline.prefill.bound.text} at batch {self.batch} × "
+                f"{self.context:,} tokens; {self.ticked} of {len(self.stages)} stages ticked")
+
+    def to_dict(self) -> dict:
+        lay = self.plan.layout
+        c, p = lay.card, lay.parallel
+        return {
+            "schema_version": CHECKLIST_SCHEMA_VERSION, "kind": CHECKLIST_KIND, "target": self.target,
+            "model": self.model, "bundle": self.bundle, "context": self.context, "batch": self.batch,
+            "card": {"name": c.name, "count": c.count, "hbm_bytes": c.hbm_bytes,
+                     "hbm_bandwidth_bytes_per_s": c.hbm_bandwidth_bytes_per_s,
+                     "link_bandwidth_bytes_per_s": c.link_bandwidth_bytes_per_s, "peak_flops": dict(c.peak_flops)},
+            "parallel": {"tp": p.tp, "attention_dp": p.attention_dp, "ep": p.ep, "moe_tp": p.moe_tp, "pp": p.pp,
+                         "pp_layers": list(self.plan.stage_layers)},
+            "passed": self.passed, "summary": self.summary(),
+            "capacity": self.capacity.to_dict(), "roofline": self.roofline.to_dict(),
+            "kernels": [k.to_dict() for k in self.kernels],
+            "fault_paths": [f.to_dict() for f in FAULT_PATHS],
+            "soak": [{"key": k, "requirement": r} for k, r in SOAK_REQUIREMENTS],
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+
+def _bundle_graph(bundle: Path) -> dict | None:
+    path = bundle / GRAPH_NAME
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ChecklistError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "k3bundle.graph_manifest":
+        raise ChecklistError(f"{path}: not a k3bundle graph manifest")
+    return doc
+
+
+def make_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
+                   context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH) -> Checklist:
+    """The bring-up checklist of ``target``, from a config (default: the released K3) or a bundle.
+
+    Args:
+        target (`str`): a layout name (``layouts/NAME.yaml``) or a path to a layout YAML.
+        config (`Path`, optional): a released-style ``config.json``; not with ``bundle``.
+        bundle (`Path`, optional): a bundle converted for ``target``: its ``config.json`` and
+            ``graph_manifest.json`` are used and its manifest, goldens and reports are the evidence.
+        context (`int`): tokens per request. Defaults to 131,072.
+        batch (`int`): concurrent requests over the deployment. Defaults to 1.
+
+    Example:
+        >>> make_checklist("b300-tp8").capacity.tokens_fit
+        1136140
+    """
+    if config is not None and bundle is not None:
+        raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
+    if context < 1 or batch < 1:
+        raise ChecklistError(f"--context ({context}) and --batch ({batch}) must be positive")
+    layout = load_layout(target)
+    bdir = Path(bundle) if bundle is not None else None
+    if bdir is not None:
+        if not (bdir / "config.json").is_file():
+            raise ChecklistError(f"{bdir}: no config.json: not a bundle (convert one with `k3bundle convert SOURCE "
+                                 f"--target {layout.name} --out {bdir}`)")
+        mpath = bdir / "manifest.json"
+        if mpath.is_file():
+            try:
+                made_for = json.loads(mpath.read_text(encoding="utf-8")).get("target")
+            except (OSError, ValueError, AttributeError):
+                made_for = None  # the conversion stage reports an unreadable manifest
+            if made_for is not None and made_for != layout.name:
+                raise ChecklistError(f"{bdir} was converted for layout {made_for!r}, not {layout.name!r}; run "
+                                     f"`k3bundle checklist --target {made_for} --bundle {bdir}`")
+        cfg_path = bdir / "config.json"
+    else:
+        cfg_path = Path(config) if config is not None else release_config_path()
+    plan = make_plan(load_config(cfg_path), layout)
+    manifest = (_bundle_graph(bdir) if bdir is not None else None) or graph_manifest(plan)
+    cap = capacity(plan, manifest, context, batch)
+    roof = roofline(plan, manifest, context, batch)
+
+    def bounds(b: int, n: int) -> tuple[float, float]:
+        r = roofline(plan, manifest, n, b)
+        return r.decode.bound.value, r.prefill.bound.value
+
+    from k3bundle.bundle.verify import verify
+
+    stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify)
+    model = str(cfg_path) if config is not None or bdir is not None else f"released Kimi K3 config ({cfg_path.name})"
+    return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
+                     kernel_coverage(plan, manifest), stages)
+
+
+def save_checklist(cl: Checklist, out: str | Path) -> tuple[Path, Path]:
+    """Write ``cl`` as Markdown to ``out`` and as JSON beside it (``out`` with suffix ``.json``)."""
+    from k3bundle.checklist.render import to_markdown
+
+    out = Path(out)
+    if out.suffix == ".json":
+        raise ChecklistError(f"{out}: name the Markdown file (e.g. checklist.md); the JSON is written beside it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    js = out.with_suffix(".json")
+    write_atomic(out, to_markdown(cl).encode("utf-8"), fsync=False)
+    write_atomic(js, (json.dumps(cl.to_dict(), indent=2, sort_keys=True, default=str) + "\n").encode("utf-8"),
+                 fsync=False)
+    return out, js
+
+
+def write_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
+                    context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH,
+                    out: str | Path | None = None) -> str:
+    """Make the checklist; with ``out``, write it (``save_checklist``). Returns ``Checklist.summary()``."""
+    if out is not None and Path(out).suffix == ".json":
+        raise ChecklistError(f"{out}: name the Markdown file (e.g. checklist.md); the JSON is written beside it")
+    cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch)
+    if out is not None:
+        save_checklist(cl, out)
+    return cl.summary()

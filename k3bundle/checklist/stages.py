@@ -1,0 +1,360 @@
+"""Sign-off stages, in order, each ticked only from evidence on disk (or the capacity computation).
+
+capacity → conversion → golden → per-layer numerics → end-to-end cases → performance → fault
+paths → soak → sign-off. Evidence, all inside the bundle:
+
+* conversion — ``manifest.json`` for this target, every file it lists re-hashed and matching
+  (``k3bundle.bundle.verify.verify``), ``weights.index.json`` agreeing with every device header;
+* golden — ``validation/golden_inputs.npz``, ``golden_intermediates.npz``, ``tolerances.yaml``,
+  both npz files from the same run (content hash);
+* per-layer numerics / end-to-end cases — ``reports/signoff.json`` written by ``validate`` against
+  these goldens (its ``golden_content_hash`` equals theirs);
+* performance, fault paths, soak — ``reports/performance.json``, ``faults.json``, ``soak.json``
+  written by the bring-up team (format in docs/bring-up.md), checked against this checklist.
+A stage that is not ticked says what is missing and the command that produces it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from k3bundle.bundle.common import BundleError, read_json
+from k3bundle.checklist import faults as F
+
+GOLDEN_FILES = ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml")
+SIGNOFF = "reports/signoff.json"
+PERFORMANCE, PERFORMANCE_KIND = "reports/performance.json", "k3bundle.performance"
+FAULTS, FAULTS_KIND = "reports/faults.json", "k3bundle.faults"
+SOAK, SOAK_KIND = "reports/soak.json", "k3bundle.soak"
+EVIDENCE_SCHEMA_VERSION = 1
+#: Case kinds the end-to-end stage needs (design.md "Golden, validate, sign-off").
+REQUIRED_CASE_KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
+#: Teacher-forced per-layer result modes in signoff.json (validate: device "added", dumps "emulation").
+LAYER_MODES = ("added", "emulation")
+
+
+@dataclass
+class Stage:
+    key: str
+    title: str
+    done: bool
+    evidence: str = ""  # what ticked it
+    missing: str = ""  # what is missing (open stages)
+    next: str = ""  # the command or step that produces the evidence
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ------------------------------------------------------------------------------------------
+# evidence readers
+
+
+def _golden_meta(path: Path) -> dict:
+    """``__meta__`` of a golden npz (plain or zstd), without loading the other arrays."""
+    data = path.read_bytes()
+    if data[:4] == b"\x28\xb5\x2f\xfd":
+        data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        if "__meta__" not in z.files:
+            return {}
+        return json.loads(bytes(z["__meta__"]).decode())
+
+
+def read_goldens(bundle: Path) -> tuple[dict | None, str]:
+    """(meta of the goldens, '') or (None, what is wrong)."""
+    vdir = bundle / "validation"
+    missing = [n for n in GOLDEN_FILES if not (vdir / n).is_file()]
+    if missing:
+        return None, f"validation/ lacks {', '.join(missing)}"
+    try:
+        a, b = _golden_meta(vdir / GOLDEN_FILES[0]), _golden_meta(vdir / GOLDEN_FILES[1])
+    except (OSError, ValueError, zipfile.BadZipFile, zstandard.ZstdError) as e:
+        return None, f"validation/: the golden files cannot be read ({type(e).__name__}: {e})"
+    if not a.get("content_hash") or a.get("content_hash") != b.get("content_hash"):
+        return None, ("validation/: golden_inputs.npz and golden_intermediates.npz come from different runs "
+                      f"(content hash {str(a.get('content_hash'))[:16]} vs {str(b.get('content_hash'))[:16]})")
+    return b, ""
+
+
+def read_signoff(bundle: Path) -> tuple[dict | None, str]:
+    path = bundle / SIGNOFF
+    if not path.is_file():
+        return None, f"no {SIGNOFF}"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"{SIGNOFF}: not readable JSON ({e})"
+    if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("cases"), list):
+        return None, f"{SIGNOFF}: not a k3bundle sign-off report of schema version 1"
+    return doc, ""
+
+
+def read_evidence(bundle: Path, rel: str, kind: str) -> tuple[dict | None, str]:
+    path = bundle / rel
+    if not path.is_file():
+        return None, f"no {rel}"
+    try:
+        return read_json(path, kind, EVIDENCE_SCHEMA_VERSION), ""
+    except BundleError as e:
+        return None, str(e)
+
+
+# ------------------------------------------------------------------------------------------
+# stages
+
+
+def _conversion(bundle: Path | None, target: str, verify_fn: Callable) -> Stage:
+    s = Stage("conversion", "conversion", False, next=f"k3bundle convert SOURCE --target {target} --out BUNDLE")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s
+    if not (bundle / "manifest.json").is_file():
+        s.missing = f"{bundle}: no manifest.json (the conversion did not finish)"
+        s.next = f"rerun the same `k3bundle convert ... --out {bundle}` to resume it"
+        return s
+    try:
+        r = verify_fn(bundle)
+    except BundleError as e:
+        s.missing = str(e)
+        return s
+    if not r.ok:
+        s.missing = f"`k3bundle verify` finds {len(r.problems)} problem(s), first: {r.problems[0]}"
+        s.next = f"k3bundle verify {bundle}"
+        return s
+    s.done = True
+    s.evidence = (f"manifest.json for {target}: {r.files} files ({r.bytes:,} bytes) re-hashed, every sha256 and "
+                  "size matches; weights.index.json agrees with every device file header")
+    s.next = f"k3bundle verify {bundle} --source SOURCE  (re-derive every rank file from the source)"
+    return s
+
+
+def _golden(bundle: Path | None, goldens: dict | None, why: str) -> Stage:
+    s = Stage("golden", "golden", False, next=f"k3bundle golden {bundle or 'BUNDLE'}")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s
+    if goldens is None:
+        s.missing = why
+        return s
+    cases = goldens.get("cases", [])
+    ok = [c["name"] for c in cases if c.get("status") == "ok"]
+    s.done = bool(ok)
+    s.evidence = (f"validation/: goldens {goldens['content_hash'][:16]}… ({goldens.get('dtype', '?')}), "
+                  f"{len(ok)} of {len(cases)} cases computed")
+    s.notes = [f"{c['name']}: not run ({c.get('reason', '')})" for c in cases if c.get("status") != "ok"]
+    if not ok:
+        s.missing = "the goldens hold no computed case"
+    return s
+
+
+def _signoff_checks(bundle: Path | None, goldens: dict | None, signoff: dict | None, why: str,
+                    key: str, title: str) -> tuple[Stage, dict | None]:
+    s = Stage(key, title, False, next=f"k3bundle validate {bundle or 'BUNDLE'} [--dumps DIR]")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s, None
+    if goldens is None:
+        s.missing = "no goldens to judge against (stage golden)"
+        s.next = f"k3bundle golden {bundle}, then k3bundle validate {bundle}"
+        return s, None
+    if signoff is None:
+        s.missing = why
+        return s, None
+    if signoff.get("golden_content_hash") != goldens.get("content_hash"):
+        s.missing = (f"{SIGNOFF} judged goldens {str(signoff.get('golden_content_hash'))[:16]}…, the bundle now "
+                     f"holds {goldens['content_hash'][:16]}…: the report is stale")
+        return s, None
+    return s, signoff
+
+
+def _layer_numerics(bundle, goldens, signoff, why) -> Stage:
+    s, doc = _signoff_checks(bundle, goldens, signoff, why, "per_layer_numerics", "per-layer numerics")
+    if doc is None:
+        return s
+    checked, failed = [], []
+    for c in doc["cases"]:
+        if c.get("status") == "not run":
+            continue
+        layer = [r for r in c.get("results", []) if r.get("mode") in LAYER_MODES]
+        if not layer:
+            s.notes.append(f"{c['name']}: no teacher-forced layer checks ({c.get('layer_checks') or 'none recorded'})")
+            continue
+        checked.append(c["name"])
+        bad = [r for r in layer if not r.get("passed")]
+        if bad:
+            r = bad[0]
+            failed.append(f"{c['name']}: {len(bad)} failing, first layer {r.get('layer')} `{r.get('tap')}`")
+    if failed:
+        s.missing = "teacher-forced layer checks fail: " + "; ".join(failed)
+    elif not checked:
+        s.missing = f"{SIGNOFF} has no teacher-forced layer checks for any case"
+    else:
+        s.done = True
+        n = sum(len([r for r in c.get("results", []) if r.get("mode") in LAYER_MODES]) for c in doc["cases"]
+                if c["name"] in checked)
+        s.evidence = (f"{SIGNOFF} ({doc.get('mode')} on {doc.get('device')}, {doc.get('tolerances')} tolerances): "
+                      f"{n} teacher-forced layer checks pass over {len(checked)} cases ({', '.join(checked)})")
+    return s
+
+
+def _end_to_end(bundle, goldens, signoff, why) -> Stage:
+    s, doc = _signoff_checks(bundle, goldens, signoff, why, "end_to_end", "end-to-end cases")
+    if doc is None:
+        return s
+    by_kind: dict[str, list[dict]] = {}
+    for c in doc["cases"]:
+        by_kind.setdefault(c.get("kind", ""), []).append(c)
+    gaps = []
+    for kind in REQUIRED_CASE_KINDS:
+        cases = by_kind.get(kind, [])
+        if not cases:
+            gaps.append(f"{kind}: no case")
+        for c in cases:
+            if c.get("status") == "not run":
+                gaps.append(f"{c['name']}: not run ({c.get('reason', '')})")
+            elif c.get("status") != "pass":
+                ff = (c.get("first_failure") or {}).get("line", "")
+                gaps.append(f"{c['name']}: {str(c.get('status')).upper()}" + (f" ({ff})" if ff else ""))
+    passed = [c["name"] for c in doc["cases"] if c.get("status") == "pass"]
+    if gaps:
+        s.missing = "; ".join(gaps)
+    else:
+        s.done = True
+    s.evidence = (f"{SIGNOFF}: {len(passed)} of {len(doc['cases'])} cases pass ({', '.join(passed) or 'none'})")
+    return s
+
+
+def _performance(bundle: Path | None, bounds: Callable[[int, int], tuple[float, float]]) -> Stage:
+    s = Stage("performance", "performance", False,
+              next=f"measure TPOT and TTFT on the target; write {PERFORMANCE} (docs/bring-up.md)")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s
+    doc, why = read_evidence(bundle, PERFORMANCE, PERFORMANCE_KIND)
+    if doc is None:
+        s.missing = why
+        return s
+    runs = doc.get("runs") or []
+    problems, lines = [], []
+    for i, r in enumerate(runs):
+        try:
+            b, n, tpot, ttft = int(r["batch"]), int(r["context"]), float(r["tpot_s"]), float(r["ttft_s"])
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"run {i}: needs batch, context, tpot_s and ttft_s")
+            continue
+        lo_tpot, lo_ttft = bounds(b, n)
+        if tpot < lo_tpot or ttft < lo_ttft:
+            problems.append(f"run {i} (batch {b}, context {n:,}) is faster than the roofline lower bound "
+                            f"(TPOT {tpot:.4g} s vs ≥ {lo_tpot:.4g} s, TTFT {ttft:.4g} s vs ≥ {lo_ttft:.4g} s): "
+                            "check the measurement")
+            continue
+        lines.append(f"batch {b}, context {n:,}: TPOT {tpot * 1e3:.3f} ms ({lo_tpot / tpot:.0%} of roofline), "
+                     f"TTFT {ttft:.3f} s ({lo_ttft / ttft:.0%} of roofline)")
+    if not runs:
+        problems.append(f"{PERFORMANCE} lists no runs")
+    s.notes = lines
+    if problems:
+        s.missing = "; ".join(problems)
+    else:
+        s.done = True
+        s.evidence = f"{PERFORMANCE}: {len(runs)} measured run(s), each at or above its lower bound"
+    return s
+
+
+def _faults(bundle: Path | None) -> Stage:
+    s = Stage("fault_paths", "fault paths", False,
+              next=f"inject each fault, record the outcome in {FAULTS}, re-validate (docs/bring-up.md)")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s
+    doc, why = read_evidence(bundle, FAULTS, FAULTS_KIND)
+    if doc is None:
+        s.missing = why
+        return s
+    got = {e.get("fault"): e for e in doc.get("faults") or [] if isinstance(e, dict)}
+    gaps = []
+    for f in F.FAULT_PATHS:
+        e = got.get(f.key)
+        if e is None:
+            gaps.append(f"{f.key}: not injected")
+        elif e.get("outcome") != "clean_error":
+            gaps.append(f"{f.key}: outcome {e.get('outcome')!r}, not 'clean_error'")
+        elif not e.get("error"):
+            gaps.append(f"{f.key}: no error message recorded")
+        elif e.get("revalidated") is not True:
+            gaps.append(f"{f.key}: not re-validated after the fault")
+        else:
+            s.notes.append(f"{f.key}: clean error — {e['error']}")
+    if gaps:
+        s.missing = "; ".join(gaps)
+    else:
+        s.done = True
+        s.evidence = f"{FAULTS}: all {len(F.FAULT_PATHS)} faults end in a clear error and pass re-validation"
+    return s
+
+
+def _soak(bundle: Path | None) -> Stage:
+    s = Stage("soak", "soak", False, next=f"run the soak; write {SOAK} (docs/bring-up.md)")
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return s
+    doc, why = read_evidence(bundle, SOAK, SOAK_KIND)
+    if doc is None:
+        s.missing = why
+        return s
+    gaps = []
+    hours = doc.get("hours")
+    host, dev = doc.get("host_memory_growth_bytes"), doc.get("device_memory_growth_bytes")
+    checks, failures, hangs = doc.get("golden_rechecks"), doc.get("golden_recheck_failures"), doc.get("hangs")
+    if not isinstance(hours, (int, float)) or hours < F.SOAK_MIN_HOURS:
+        gaps.append(f"ran {hours} h, needs ≥ {F.SOAK_MIN_HOURS} h")
+    if not isinstance(host, int) or host > F.SOAK_HOST_GROWTH_LIMIT_BYTES:
+        gaps.append(f"host memory grew {host} B (limit {F.SOAK_HOST_GROWTH_LIMIT_BYTES:,} B): leak")
+    if not isinstance(dev, int) or dev > F.SOAK_DEVICE_GROWTH_LIMIT_BYTES:
+        gaps.append(f"device memory grew {dev} B (limit {F.SOAK_DEVICE_GROWTH_LIMIT_BYTES:,} B): leak")
+    if not isinstance(checks, int) or checks < 1 or failures != 0:
+        gaps.append(f"golden re-checks: {checks} run, {failures} failed (needs ≥ 1 and 0 failed)")
+    if hangs != 0:
+        gaps.append(f"{hangs} hang(s) recorded (needs 0)")
+    if gaps:
+        s.missing = "; ".join(gaps)
+    else:
+        s.done = True
+        s.evidence = (f"{SOAK}: {hours} h, host +{host:,} B, device +{dev:,} B, {checks} golden re-checks pass, "
+                      "no hang")
+    return s
+
+
+def evaluate_stages(target: str, capacity_passed: bool, capacity_verdict: str, bundle: Path | None,
+                    bounds: Callable[[int, int], tuple[float, float]], verify_fn: Callable) -> list[Stage]:
+    """Every stage in sign-off order.
+
+    Args:
+        bounds: ``(batch, context) -> (TPOT, TTFT)`` lower bounds, for the performance evidence.
+        verify_fn: ``bundle -> VerifyReport`` (``k3bundle.bundle.verify.verify``).
+    """
+    cap = Stage("capacity", "capacity", capacity_passed,
+                evidence=capacity_verdict if capacity_passed else "",
+                missing="" if capacity_passed else capacity_verdict,
+                next="" if capacity_passed else
+                "change the layout (cards, degrees, formats, reserve) or the batch/context")
+    goldens, gwhy = read_goldens(bundle) if bundle is not None else (None, "")
+    signoff, swhy = read_signoff(bundle) if bundle is not None else (None, "")
+    stages = [cap, _conversion(bundle, target, verify_fn), _golden(bundle, goldens, gwhy),
+              _layer_numerics(bundle, goldens, signoff, swhy), _end_to_end(bundle, goldens, signoff, swhy),
+              _performance(bundle, bounds), _faults(bundle), _soak(bundle)]
+    open_ = [s.title for s in stages if not s.done]
+    sign = Stage("signoff", "sign-off", not open_,
+                 evidence="every stage above is ticked from evidence" if not open_ else "",
+                 missing=("open: " + ", ".join(open_)) if open_ else "")
+    return stages + [sign]

@@ -1,0 +1,51 @@
+"""``k3bundle checklist``: capacity, roofline bounds, kernels, fault paths and sign-off stages of a target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3bundle.checklist import DEFAULT_BATCH, DEFAULT_CONTEXT, make_checklist, to_markdown
+from k3bundle.checklist.build import ChecklistError, save_checklist
+from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
+
+EXAMPLES = [
+    "k3bundle checklist --target b300-tp8",
+    "k3bundle checklist --target b200-tp8-pp2 --context 32768 --batch 16 --out b200.md",
+    "k3bundle checklist --target b300-tp8 --bundle /bundles/k3-b300 --json",
+    "k3bundle checklist --target ./layouts/my-card.yaml --config /ckpt/Kimi-K3/config.json",
+]
+
+
+def checklist(
+    target: Annotated[str, typer.Option("--target", "-t", help="Layout name (layouts/NAME.yaml) or a path to a layout YAML.")],
+    config: ConfigOpt = None,
+    bundle: Annotated[Path | None, typer.Option("--bundle", help="A bundle converted for the target: its config, graph manifest, goldens and reports are the evidence.")] = None,
+    context: Annotated[int, typer.Option(help="Tokens per request the cache must hold (and a prompt's length for TTFT).")] = DEFAULT_CONTEXT,
+    batch: Annotated[int, typer.Option(help="Concurrent requests over the whole deployment.")] = DEFAULT_BATCH,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown here (and the JSON beside it, .json) instead of stdout.")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The bring-up checklist of a target: numbers computed from the plan, stages ticked only from evidence.
+
+    Without --config or --bundle it checks the released Kimi K3 config. Exits 1 when capacity fails.
+    """
+    if config is not None and bundle is not None:
+        raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
+    if out is not None and out.suffix == ".json":
+        raise ChecklistError(f"{out}: --out names the Markdown file (e.g. checklist.md); the JSON is written beside it")
+    cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch)
+    o = Output(json_)
+    if out is None:
+        o.result(to_markdown(cl), cl.to_dict())
+    else:
+        md, js = save_checklist(cl, out)
+        o.info(f"wrote {md} and {js}")
+        o.result(cl.summary(), cl.to_dict())
+    if not cl.passed:
+        raise SystemExit(1)  # not typer.Exit: click swallows it when not standalone
+
+
+__all__ = ["checklist", "EXAMPLES"]
