@@ -381,20 +381,27 @@ class _Transfer:
         self.pos = 0
 
 
-def fetch_hub_file(w: Wanted, ctx: Context) -> FileEntry:
-    """Produce ``out/w.path`` from the Hub, verified, or raise a PullError naming it."""
+def prepare_target(w: Wanted, ctx: Context) -> tuple[Path, Path, FileEntry | None]:
+    """(final path, its in-flight ``.part`` path, the entry of a file already there and kept)."""
     from k3bundle.pull.paths import target_path
 
     final = target_path(ctx.out, w.path)
     kept = keep_existing(w, final, ctx)
+    part = final.with_name(final.name + PART_SUFFIX)
+    if kept is None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if part.is_symlink() or (part.exists() and not part.is_file()):
+            raise PullError(f"{w.path}: {part.name} exists and is not a regular file; move it away")
+    return final, part, kept
+
+
+def fetch_hub_file(w: Wanted, ctx: Context) -> FileEntry:
+    """Produce ``out/w.path`` from the Hub, verified, or raise a PullError naming it."""
+    final, part, kept = prepare_target(w, ctx)
     if kept is not None:
         return kept
-    final.parent.mkdir(parents=True, exist_ok=True)
-    part = final.with_name(final.name + PART_SUFFIX)
     h = Hasher(ctx.counters, git_size=w.size if w.git_blob_sha1 else None)
     resumed = 0
-    if part.is_symlink() or (part.exists() and not part.is_file()):
-        raise PullError(f"{w.path}: {part.name} exists and is not a regular file; move it away")
     if part.exists():
         if part.stat().st_size <= w.size:
             resumed = hash_into(h, part, ctx.counters)  # the one read of the prefix

@@ -20,9 +20,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from k3bundle.pull.download import Context, Hasher, Wanted, hash_into, keep_existing, finish_part
+from k3bundle.pull.download import Context, Hasher, Wanted, finish_part, hash_into, prepare_target
 from k3bundle.pull.errors import PullError
-from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, SOURCE_JSON, STATE_FILE, check_name, selected, target_path
+from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, SOURCE_JSON, STATE_FILE, check_name, selected
 from k3bundle.pull.record import FileEntry, is_ours
 from k3bundle.pull.state import stat_key
 
@@ -120,14 +120,9 @@ def hash_in_place(w: Wanted, ctx: Context) -> FileEntry:
 
 def copy_file(w: Wanted, ctx: Context) -> FileEntry:
     """Copy ``w.src`` to ``out/w.path`` through the hasher (one read of the source, none of the copy)."""
-    final = target_path(ctx.out, w.path)
-    kept = keep_existing(w, final, ctx)
+    final, part, kept = prepare_target(w, ctx)
     if kept is not None:
         return kept
-    final.parent.mkdir(parents=True, exist_ok=True)
-    part = final.with_name(final.name + PART_SUFFIX)
-    if part.is_symlink():
-        raise PullError(f"{w.path}: {part.name} is a symlink; move it away")
     h = Hasher(ctx.counters)
     n = 0
     buf = bytearray(CHUNK)
