@@ -14,7 +14,6 @@ from pathlib import Path
 
 from k3bundle import __version__
 from k3bundle.bundle.common import write_atomic
-from k3bundle.validate.compare import layer_of
 
 SCHEMA_VERSION = 1
 

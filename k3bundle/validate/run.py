@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from k3bundle import __version__
 from k3bundle.errors import K3Error
 from k3bundle.golden.store import GoldenFileError, read_meta, read_npz
 from k3bundle.golden.tolerances import Tolerances, load_tolerances
@@ -140,7 +139,7 @@ def validate(bundle: str | Path, weights_factory: Callable[[str], object] | None
             else:
                 rep.layer_checks = "sampled positions: teacher-forced layer checks need every position"
         else:
-            cand = read_dump(dumps, name, golden, device_weights_layers(meta, inter, golden))
+            cand = read_dump(dumps, name, golden, _num_layers(golden))
             rep.results += inherited_checks(golden, cand, name, tol, routers=True)
             if full:
                 dtype = "bfloat16" if cand["logits"].dtype == torch.bfloat16 else "float32"
@@ -165,7 +164,7 @@ def validate(bundle: str | Path, weights_factory: Callable[[str], object] | None
     return Report(str(bundle), "dumps" if dumps else "device", device, tol, cases, meta, time.time() - t0)
 
 
-def device_weights_layers(meta: dict, inter: dict, golden: dict) -> int:
-    """Number of decoder layers, from the golden taps (dumps need no weights to be checked)."""
+def _num_layers(golden: dict) -> int:
+    """Number of decoder layers, from the golden taps (a dump's required taps depend on it)."""
     layers = {int(k.split(".")[1]) for k in golden if k.startswith("layers.")}
     return max(layers) + 1 if layers else 0
