@@ -215,12 +215,17 @@ def _section(data: Any, where: str, allowed: tuple[str, ...], p: _Problems) -> d
     return data
 
 
+def _absent(key: str, where: str, p: _Problems, default: Any) -> Any:
+    """The value of an absent field: its default, or 1 after reporting it as missing."""
+    if default is ...:
+        p.add("layout-field", f"required field {where}.{key} is missing")
+        return 1
+    return default
+
+
 def _positive_int(d: dict, key: str, where: str, p: _Problems, default: Any = ...) -> int:
     if key not in d:
-        if default is ...:
-            p.add("layout-field", f"required field {where}.{key} is missing")
-            return 1
-        return default
+        return _absent(key, where, p, default)
     v = d[key]
     if not _is_int(v) or v <= 0:
         p.add("layout-field", f"{where}.{key} must be a positive integer, got {v!r}")
@@ -230,10 +235,7 @@ def _positive_int(d: dict, key: str, where: str, p: _Problems, default: Any = ..
 
 def _number(d: dict, key: str, where: str, p: _Problems, default: Any = ..., allow_zero: bool = False) -> Any:
     if key not in d:
-        if default is ...:
-            p.add("layout-field", f"required field {where}.{key} is missing")
-            return 1
-        return default
+        return _absent(key, where, p, default)
     v = d[key]
     if isinstance(v, str):
         p.add("layout-field", f"{where}.{key} must be a number, got the string {v!r} "

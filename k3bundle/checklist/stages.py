@@ -234,15 +234,22 @@ def _end_to_end(bundle, goldens, signoff, why) -> Stage:
     return s
 
 
+def _evidence_file(s: Stage, bundle: Path | None, rel: str, kind: str) -> dict | None:
+    """The evidence document of an open stage, or None with ``s.missing`` saying why."""
+    if bundle is None:
+        s.missing = "no bundle given (--bundle)"
+        return None
+    doc, why = read_evidence(bundle, rel, kind)
+    if doc is None:
+        s.missing = why
+    return doc
+
+
 def _performance(bundle: Path | None, bounds: Callable[[int, int], tuple[float, float]]) -> Stage:
     s = Stage("performance", "performance", False,
               next=f"measure TPOT and TTFT on the target; write {PERFORMANCE} (docs/bring-up.md)")
-    if bundle is None:
-        s.missing = "no bundle given (--bundle)"
-        return s
-    doc, why = read_evidence(bundle, PERFORMANCE, PERFORMANCE_KIND)
+    doc = _evidence_file(s, bundle, PERFORMANCE, PERFORMANCE_KIND)
     if doc is None:
-        s.missing = why
         return s
     runs = doc.get("runs") or []
     problems, lines = [], []
@@ -274,12 +281,8 @@ def _performance(bundle: Path | None, bounds: Callable[[int, int], tuple[float, 
 def _faults(bundle: Path | None) -> Stage:
     s = Stage("fault_paths", "fault paths", False,
               next=f"inject each fault, record the outcome in {FAULTS}, re-validate (docs/bring-up.md)")
-    if bundle is None:
-        s.missing = "no bundle given (--bundle)"
-        return s
-    doc, why = read_evidence(bundle, FAULTS, FAULTS_KIND)
+    doc = _evidence_file(s, bundle, FAULTS, FAULTS_KIND)
     if doc is None:
-        s.missing = why
         return s
     got = {e.get("fault"): e for e in doc.get("faults") or [] if isinstance(e, dict)}
     gaps = []
@@ -305,12 +308,8 @@ def _faults(bundle: Path | None) -> Stage:
 
 def _soak(bundle: Path | None) -> Stage:
     s = Stage("soak", "soak", False, next=f"run the soak; write {SOAK} (docs/bring-up.md)")
-    if bundle is None:
-        s.missing = "no bundle given (--bundle)"
-        return s
-    doc, why = read_evidence(bundle, SOAK, SOAK_KIND)
+    doc = _evidence_file(s, bundle, SOAK, SOAK_KIND)
     if doc is None:
-        s.missing = why
         return s
     gaps = []
     hours = doc.get("hours")
