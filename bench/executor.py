@@ -197,7 +197,7 @@ def gpu_layers(args) -> dict:
     rec = H * 6 * K * K  # per token: S'ᵀk, k uᵀ, Sᵀq (2 FLOPs per multiply-add)
     row(f"KDA prefill T={T}", timed(lambda: kda.forward(x, W, zero(), t), dev),
         kda_bytes + 2 * T * D * 2, T * (2 * kda_params + rec))
-    state = kda.forward(x, W, zero(), t)[1]
+    state = kda.forward(x, W, zero(), t).state
     row("KDA decode", timed(lambda: kda.forward(x[:1], W, state, t, decode=True), dev),
         kda_bytes + 2 * H * K * K * 4, 2 * kda_params + rec)
     # --- MoE layer: routed experts dequantized lazily, only the selected ones ---

@@ -44,7 +44,7 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
     from k3bundle.synth import write_synthetic
     from k3bundle.validate.report import write_reports
     from k3bundle.validate.run import validate
-    from k3bundle.validate.sources import weights_factory
+    from k3bundle.validate.sources import open_device
 
     out = Path(out)
     if out.exists():
@@ -80,7 +80,7 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
         bundle, long_tokens=long_tokens).content_hash[:16])
 
     def _validate():
-        rep = validate(bundle, weights_factory(bundle))
+        rep = validate(bundle, open_device(bundle))
         files = write_reports(rep, bundle / "reports")
         res.passed = rep.passed
         return ("PASS" if rep.passed else "FAIL") + f" ({files[1].name})"

@@ -48,8 +48,8 @@ def test_mla_naive_equals_absorbed(tiny_text, dtype, tol):
     outs = {}
     for absorbed in (False, True):
         st = MLAState.empty(width, dtype, "cpu", capacity=4)  # forces growth on append
-        a, _ = mla.forward(x[:25], W, st, tiny_text, absorbed=absorbed)  # prefill part
-        b, _ = mla.forward(x[25:], W, st, tiny_text, absorbed=absorbed)  # continuation
+        a = mla.forward(x[:25], W, st, tiny_text, absorbed=absorbed).out_TD  # prefill part
+        b = mla.forward(x[25:], W, st, tiny_text, absorbed=absorbed).out_TD  # continuation
         outs[absorbed] = torch.cat([a, b])
         assert st.length == 40 and st.latent_SC.shape == (40, width)
     rel = (outs[True] - outs[False]).norm() / outs[False].norm()
@@ -70,8 +70,8 @@ def test_router_bias_changes_selection_never_weights(tiny_text):
     no_bias = torch.zeros(E, dtype=torch.float64)
     bias = torch.zeros(E, dtype=torch.float64)
     bias[:4] = 10.0  # strong enough to force experts 0..3 into every token's top-k
-    ids0, w0 = latent_moe.route(x, w_router, no_bias, tiny_text)
-    ids1, w1 = latent_moe.route(x, w_router, bias, tiny_text)
+    r0, r1 = latent_moe.route(x, w_router, no_bias, tiny_text), latent_moe.route(x, w_router, bias, tiny_text)
+    (ids0, w0), (ids1, w1) = (r0.ids_TK, r0.weights_TK), (r1.ids_TK, r1.weights_TK)
     assert not torch.equal(ids0.sort(-1).values, ids1.sort(-1).values)  # selection moved
     assert (ids1.sort(-1).values == torch.arange(4)).all()
     s = torch.sigmoid(x @ w_router.T)  # weights from unbiased scores only (R3)
@@ -80,8 +80,23 @@ def test_router_bias_changes_selection_never_weights(tiny_text):
         expected = sel / (sel.sum(-1, keepdim=True) + 1e-20) * tiny_text.routed_scaling_factor
         torch.testing.assert_close(w, expected, rtol=1e-15, atol=0)
     # a bias that does not change the top-k set changes nothing at all
-    ids2, w2 = latent_moe.route(x, w_router, torch.full((E,), 3.0, dtype=torch.float64), tiny_text)
-    assert torch.equal(ids2, ids0) and torch.equal(w2, w0)
+    r2 = latent_moe.route(x, w_router, torch.full((E,), 3.0, dtype=torch.float64), tiny_text)
+    assert torch.equal(r2.ids_TK, ids0) and torch.equal(r2.weights_TK, w0)
+
+
+def test_forced_route_keeps_the_routers_own_choice(tiny_text):
+    g = torch.Generator().manual_seed(3)
+    E, D, T = tiny_text.num_experts, tiny_text.hidden_size, 16
+    x, w_router = _rand(g, T, D), _rand(g, E, D, std=D ** -0.5)
+    bias = torch.zeros(E, dtype=torch.float64)
+    own = latent_moe.route(x, w_router, bias, tiny_text)
+    forced_ids = torch.arange(tiny_text.num_experts_per_token).repeat(T, 1)
+    forced = latent_moe.route(x, w_router, bias, tiny_text, forced_ids)
+    assert torch.equal(forced.ids_TK, forced_ids)  # the replayed choice is used ...
+    assert torch.equal(forced.own_ids_TK, own.ids_TK)  # ... and the router's own stays visible
+    s = torch.sigmoid(x @ w_router.T).gather(-1, forced_ids)  # weights follow R3 on the forced set
+    torch.testing.assert_close(forced.weights_TK, s / (s.sum(-1, keepdim=True) + 1e-20)
+                               * tiny_text.routed_scaling_factor, rtol=1e-15, atol=0)
 
 
 def test_situ_glu_saturates_at_100(tiny_text):

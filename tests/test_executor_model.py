@@ -79,7 +79,7 @@ def test_tap_names_are_the_documented_contract(f64):
     t = f64.config.text
     rec = TapRecorder()
     Executor(f64, rec).prefill(_ids(5))
-    assert set(rec.names()) == set(tap_names(t.num_hidden_layers, t.is_mla, t.is_moe))
+    assert set(rec.names()) == set(tap_names(t))
     assert rec["layers.3.attn_res_out"].shape == (5, t.hidden_size)
     assert rec["layers.1.router_ids"].shape == (5, t.num_experts_per_token)
     assert rec["layers.0.kda_state"].shape == (16, 16, 16)

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from k3bundle.golden.cases import CaseError, load_case, load_cases
+from k3bundle.golden.cases import load_case, load_cases
+from k3bundle.golden.errors import CaseError
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_meta, read_npz
 from k3bundle.tokenizer import load_tiktoken

@@ -11,7 +11,7 @@ import typer
 from k3bundle.cli._common import JsonOpt, Output, progress_bar
 from k3bundle.validate.report import to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
-from k3bundle.validate.sources import weights_factory
+from k3bundle.validate.sources import open_device
 
 EXAMPLES = [
     "k3bundle validate /tmp/k3-bundle",
@@ -33,9 +33,9 @@ def validate(
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
-    factory = weights_factory(bundle, device=device, ranks=ranks, nproc=nproc)
+    dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps)
     with progress_bar("validate", enabled=not json_) as update:
-        rep = run_validate(bundle, factory, dumps=dumps, device=device, progress=update)
+        rep = run_validate(bundle, dut, progress=update)
     files = write_reports(rep, out or bundle / "reports")
     lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({device}) against {rep.tolerances.name} tolerances, "
              f"{rep.seconds:.1f} s"]

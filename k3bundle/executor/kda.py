@@ -29,6 +29,8 @@ W conv state rows (kernel − 1), C chunk length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -93,8 +95,15 @@ def chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, chunk: int = CHUNK, boun
     return o_HTV.transpose(0, 1), S_HKV, saved
 
 
+@dataclass(frozen=True, slots=True)
+class KDAOut:
+    out_TD: torch.Tensor  # KDA(x) (K7)
+    state: KDAState  # the state after the T tokens
+    snapshots: dict[int, KDAState]  # {n: state after n tokens} at the requested chunk boundaries
+
+
 def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bool = False,
-            chunk: int = CHUNK, boundaries=()) -> tuple[torch.Tensor, KDAState, dict[int, KDAState]]:
+            chunk: int = CHUNK, boundaries=()) -> KDAOut:
     """KDA(x) for T new tokens after ``state``.
 
     Args:
@@ -104,7 +113,7 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
         boundaries: token counts (multiples of ``chunk``) at which to return state snapshots.
 
     Returns:
-        (KDA(x) [T, D], state after the T tokens, {n: state after n tokens}).
+        ``KDAOut``: KDA(x) [T, D], the state after the T tokens, {n: state after n tokens}.
     """
     T, act, c = x_TD.shape[0], x_TD.dtype, state.recurrent_HKV.dtype
     H = W["kda.b_proj"].shape[0]  # heads from the weights: a TP rank may hold a slice
@@ -148,4 +157,4 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
         return torch.stack([ext_q[n:n + win], ext_k[n:n + win], ext_v[n:n + win]])
 
     snaps = {n: KDAState(S, conv_after(n)) for n, S in saved.items()}
-    return out_TD, KDAState(S_HKV, conv_after(T)), snaps
+    return KDAOut(out_TD, KDAState(S_HKV, conv_after(T)), snaps)

@@ -18,6 +18,8 @@ Legend: T tokens, D model width, E experts, K top-k, Lr latent width, I expert w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3bundle.config import TextConfig
@@ -27,15 +29,29 @@ from k3bundle.executor.situ_glu import glu
 RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwise
 
 
-def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, text: TextConfig,
-          forced_TK: torch.Tensor | None = None, margin: bool = False):
-    """(R1-R3): (ids [T, K] in torch.topk order, weights [T, K] in the compute dtype).
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The router's decision for T tokens (R1-R3)."""
 
-    With ``margin``, also the selection margin [T]: the biased score of the k-th expert minus
-    that of the (k+1)-th. A comparison exempts a routing flip where this margin is tiny.
+    ids_TK: torch.Tensor  # the experts used, torch.topk order (the forced ones when forced)
+    weights_TK: torch.Tensor  # their renormalised weights (R3), compute dtype
+    margin_T: torch.Tensor  # biased score of the k-th minus the (k+1)-th expert: near-tie measure
+    own_ids_TK: torch.Tensor  # the router's own top-k (R2), equal to ids_TK unless forced
+
+
+@dataclass(frozen=True, slots=True)
+class MoEOut:
+    out_TD: torch.Tensor  # MoE(x) (R7)
+    route: Route
+
+
+def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, text: TextConfig,
+          forced_TK: torch.Tensor | None = None) -> Route:
+    """(R1-R3) for the post_attention_layernorm output x.
 
     ``forced_TK`` replaces the selection (R2) by given ids, e.g. a golden run's, so that a
-    comparison is not dominated by near-tie routing flips; the weights still follow R3.
+    comparison is not dominated by near-tie routing flips; the weights still follow R3, and
+    the router's own choice stays available as ``own_ids_TK``.
     """
     c = compute_dtype(x_TD)
     # the router runs in FP32 whatever the activation dtype (vLLM: replicated gate, FP32 output)
@@ -44,19 +60,19 @@ def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, t
     s_TE = torch.sigmoid(logits_TE)  # (R1)
     k = text.num_experts_per_token
     top = torch.topk(s_TE + bias_E, min(k + 1, s_TE.shape[-1]), dim=-1)  # (R2) biased, one extra for the margin
-    ids_TK = top.indices[:, :k]
+    own_TK = top.indices[:, :k]
     margin_T = top.values[:, k - 1] - top.values[:, k] if top.values.shape[-1] > k else top.values[:, k - 1]
-    if forced_TK is not None:
-        ids_TK = forced_TK.to(ids_TK.device, torch.long)
+    ids_TK = own_TK if forced_TK is None else forced_TK.to(own_TK.device, torch.long)
     s_TK = s_TE.gather(-1, ids_TK)  # (R3) the unbiased scores of the selected experts
     w_TK = s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * text.routed_scaling_factor  # (R3)
-    return (ids_TK, w_TK, margin_T) if margin else (ids_TK, w_TK)
+    return Route(ids_TK, w_TK, margin_T, own_TK)
 
 
-def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None):
-    """MoE(x) for the post_attention_layernorm output x; returns (out [T, D], ids, weights, margin)."""
+def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None) -> MoEOut:
+    """MoE(x) for the post_attention_layernorm output x, and the route it took."""
     act, c = x_TD.dtype, compute_dtype(x_TD)
-    ids_TK, w_TK, margin_T = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK, margin=True)  # (R1-R3)
+    r = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK)  # (R1-R3)
+    ids_TK, w_TK = r.ids_TK, r.weights_TK
     z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
     r_TL = torch.zeros(z_TL.shape, dtype=c, device=z_TL.device)
     for e in torch.unique(ids_TK).tolist():
@@ -74,4 +90,4 @@ def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | N
     routed_TD = linear(rms_norm(r_TL, W["moe.latent_norm"], text.rms_norm_eps), W["moe.latent_up"])  # (R6)
     shared_TD = W.reduce(glu(x_TD, W["moe.shared.gate_proj"], W["moe.shared.up_proj"],
                              W["moe.shared.down_proj"], text))  # (R7) on the un-projected x
-    return routed_TD + shared_TD, ids_TK, w_TK, margin_T  # (R7)
+    return MoEOut(routed_TD + shared_TD, r)  # (R7)

@@ -22,6 +22,8 @@ N nope dim, R rope dim, V value dim, L kv_lora rank, C = L + R latent width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3bundle.config import TextConfig
@@ -94,7 +96,13 @@ def attend_absorbed(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -
     return o_THV.to(act)
 
 
-def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: bool = False):
+@dataclass(frozen=True, slots=True)
+class MLAOut:
+    out_TD: torch.Tensor  # MLA(x) (M5)
+    latent_TC: torch.Tensor  # the new tokens' latents [ĉ_kv ‖ k_pe] (M2/M3), appended to the state
+
+
+def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: bool = False) -> MLAOut:
     """MLA(x) for T new tokens; appends their latents to ``state`` (in place).
 
     Args:
@@ -102,7 +110,7 @@ def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: 
         absorbed: the decode form (else the naive prefill form); same result.
 
     Returns:
-        (MLA(x) [T, D], the new tokens' latents [T, C]).
+        ``MLAOut``: MLA(x) [T, D] and the new tokens' latents [T, C].
     """
     T, act, c = x_TD.shape[0], x_TD.dtype, compute_dtype(x_TD)
     q_nope, q_pe, latent_TC = project(x_TD, W, text)
@@ -114,4 +122,4 @@ def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: 
     # the sigmoid gate multiplies in FP32 and rounds once to the activation dtype
     o_TP, g_TP = o_THV.reshape(T, -1).to(c), g_TP.to(c)
     y_TP = (o_TP * torch.sigmoid(g_TP)).to(act)  # (M5) o ⊙ σ(W_g x)
-    return W.reduce(linear(y_TP, W["mla.o_proj"])), latent_TC  # (M5) W_o, row-parallel sum
+    return MLAOut(W.reduce(linear(y_TP, W["mla.o_proj"])), latent_TC)  # (M5) W_o, row-parallel sum

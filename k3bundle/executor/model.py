@@ -15,6 +15,13 @@ before the next layer is read, so peak memory is one layer plus activations [T, 
 next: prefill uses the chunked KDA form and the naive MLA form, decode (T = 1) the KDA
 recurrence and the absorbed MLA form on the latent cache.
 
+This file holds the only layer loop (``_forward``) and the only layer step (``layer``).
+Everything that runs the model goes through them: ``prefill``/``decode``/``decode_steps``
+(stateful serving-style calls), ``teacher_forced`` (every layer fed golden inputs, so each
+layer's output carries only the error it adds), and ``k3bundle.executor.case.run_case`` (one
+golden case: prefill with taps and snapshots, then greedy or teacher-forced decode), which
+``golden``, ``validate`` (in-process and every distributed rank) and ``run`` share.
+
 Stateful API: ``prefill(ids, cache=None, snapshot_at=())`` → (logits [T, V], cache);
 ``decode(token, cache)`` → logits [V]. ``snapshot_at`` takes absolute positions on the
 prefill's chunk grid; ``cache.snapshots[p]`` is then the whole cache after p tokens (KDA
@@ -26,7 +33,7 @@ Legend: T tokens, D model width, V vocabulary, K top-k.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +41,13 @@ import torch
 from k3bundle.executor import head, kda, latent_moe, mla, situ_glu
 from k3bundle.executor.attnres import BlockResidual
 from k3bundle.executor.cache import ModelCache, new_cache
+from k3bundle.executor.errors import ExecutorError
 from k3bundle.executor.norms import rms_norm
 from k3bundle.executor.taps import TapRecorder
-from k3bundle.executor.weights import ExecutorError, WeightSource
+from k3bundle.executor.weights import WeightSource
+
+#: teacher forcing: full-sequence tap by name ([T, ...]), or None where the feed has none
+Feed = Callable[[str], "torch.Tensor | None"]
 
 
 @dataclass
@@ -47,14 +58,26 @@ class Generation:
     cache: ModelCache
 
 
-class Executor:
-    """Runs the model over a ``WeightSource``; optional ``TapRecorder`` for intermediates."""
+@dataclass(slots=True)
+class LayerOut:
+    """What one decoder layer produced (the per-position taps of ``taps.TAPS``)."""
 
-    def __init__(self, weights: WeightSource, taps: TapRecorder | None = None, chunk: int = kda.CHUNK,
-                 forced_routes: dict[str, torch.Tensor] | None = None):
+    attn_res_out: torch.Tensor  # x (A2.1)
+    mixer_out: torch.Tensor  # a (K7 / M5)
+    ffn_res_out: torch.Tensor  # y (A2.5)
+    ffn_out: torch.Tensor  # f (D1 / R7)
+    route: latent_moe.Route | None  # MoE layers
+    snapshots: dict  # {tokens n: this layer's state after n tokens} at requested chunk boundaries
+
+
+class Executor:
+    """Runs the model over a ``WeightSource``; optional ``TapRecorder``(s) for intermediates."""
+
+    def __init__(self, weights: WeightSource, taps: TapRecorder | Sequence[TapRecorder] | None = None,
+                 chunk: int = kda.CHUNK, forced_routes: dict[str, torch.Tensor] | None = None):
         self.w = weights
         self.text = weights.config.text
-        self.taps = taps
+        self.recorders = [] if taps is None else [taps] if isinstance(taps, TapRecorder) else list(taps)
         self.chunk = chunk
         # {"layers.{l}.router_ids": ids [positions, K] from position 0}: replay a reference's
         # expert choice (teacher-forced routing) so near-tie flips drop out of a comparison
@@ -75,16 +98,45 @@ class Executor:
     def decode(self, token: int, cache: ModelCache) -> torch.Tensor:
         return self._forward(self._check_ids([token]), cache, decode=True, boundaries=())[0]
 
+    def decode_steps(self, last_TV: torch.Tensor, cache: ModelCache, steps: int,
+                     tokens: Sequence[int] | None = None,
+                     after_step: Callable[[ModelCache], None] | None = None) -> tuple[list[int], torch.Tensor]:
+        """The only decode loop: ``steps`` tokens after a prefill whose logits end in ``last_TV``.
+
+        Step i's choice is the argmax of the logits before it (row 0 = the prefill's last row).
+        Greedy (``tokens`` None) decodes each choice; teacher-forced decodes ``tokens[i]``
+        instead, so the steps stay comparable with a reference after a divergence.
+        ``after_step(cache)`` runs after each decode. Returns (choices, step logits [steps, V]).
+        """
+        rows, chosen = [last_TV[-1]], []
+        for i in range(steps):
+            chosen.append(int(torch.argmax(rows[-1])))
+            if i + 1 < steps:
+                rows.append(self.decode(chosen[-1] if tokens is None else int(tokens[i]), cache))
+                if after_step is not None:
+                    after_step(cache)
+        return chosen, (torch.stack(rows[:steps]) if steps else last_TV[:0])
+
     def generate(self, ids: Sequence[int], steps: int) -> Generation:
         """Greedy: prefill, then ``steps`` tokens (each chosen by argmax, then decoded)."""
         logits_TV, cache = self.prefill(ids)
-        tokens, rows = [], [logits_TV[-1]]
-        for i in range(steps):
-            tokens.append(int(torch.argmax(rows[-1])))
-            if i + 1 < steps:
-                rows.append(self.decode(tokens[-1], cache))
-        step_logits = torch.stack(rows[:steps]) if steps else logits_TV[:0]
+        tokens, step_logits = self.decode_steps(logits_TV, cache, steps)
         return Generation(logits_TV, tokens, step_logits, cache)
+
+    def teacher_forced(self, feed: Feed) -> dict[str, torch.Tensor]:
+        """Every layer's outputs computed on ``feed``'s inputs (one prefill, fresh cache).
+
+        ``feed(name)`` returns a full-sequence tap ([T, ...], every position) or None. The
+        stream starts from the fed ``embed``; each layer reads the fed AttnRes outputs where
+        given (else recomputes them from the fed stream: a dump needs only mixer and FFN
+        outputs), replays the fed expert ids, and continues from the fed mixer and FFN outputs,
+        never its own, so errors do not carry over. Keys are tap names (layer 0's AttnRes
+        output is the embedding itself and is left out); ``own.layers.{l}.router_ids`` is the
+        layer's own, unforced expert choice. Values are CPU tensors.
+        """
+        out: dict[str, torch.Tensor] = {}
+        self._forward(None, self.new_cache(), decode=False, boundaries=[], feed=feed, collect=out)
+        return {k: v.detach().cpu() for k, v in out.items()}
 
     # ---- checks ----
     def _check_ids(self, ids) -> torch.Tensor:
@@ -111,61 +163,101 @@ class Executor:
         return rel
 
     def _tap(self, name: str, value: torch.Tensor, start: int) -> None:
-        if self.taps is not None:
-            self.taps.record(name, value, start)
+        for r in self.recorders:
+            r.record(name, value, start)
 
     def _tap_state(self, name: str, value: torch.Tensor) -> None:
-        if self.taps is not None:
-            self.taps.record_state(name, value)
+        for r in self.recorders:
+            r.record_state(name, value)
+
+    def _fed(self, feed: Feed | None, name: str, own: torch.Tensor | None, cast: bool = True):
+        """Teacher forcing: the fed value of ``name`` (on this device, activation dtype) or ``own``."""
+        v = None if feed is None else feed(name)
+        if v is None:
+            return own
+        v = torch.as_tensor(v).to(self.w.device)
+        return v.to(self.w.policy.act) if cast else v
+
+    # ---- one decoder layer ----
+    def layer(self, l: int, W, stream: BlockResidual, cache: ModelCache, start: int, decode: bool = False,
+              boundaries: Sequence[int] = (), feed: Feed | None = None) -> LayerOut:
+        """Layer ``l`` (A2.1-A2.7) on the residual ``stream`` for the T tokens after ``start``;
+        updates ``cache.layers[l]``. With ``feed``, see ``teacher_forced``."""
+        t, eps = self.text, self.text.rms_norm_eps
+        fed = lambda kind, own, cast=True: self._fed(feed, f"layers.{l}.{kind}", own, cast)  # noqa: E731
+        x_TD = stream.mixer_input(l, W["attn_res.norm"], W["attn_res.proj"])  # (A2.1-2)
+        n_TD = rms_norm(fed("attn_res_out", x_TD), W["input_norm"], eps)
+        state = cache.layers[l]
+        if t.is_mla(l):
+            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode).out_TD  # (M1-M5)
+            snaps = {n: state.truncated(start + n) for n in boundaries}
+        else:
+            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries)  # (K1-K7)
+            cache.layers[l] = mixer.state
+            a_TD, snaps = mixer.out_TD, mixer.snapshots
+        stream.add_mixer(fed("mixer_out", a_TD))  # (A2.4)
+        y_TD = stream.ffn_input(l, W["ffn_res.norm"], W["ffn_res.proj"])  # (A2.5)
+        m_TD = rms_norm(fed("ffn_res_out", y_TD), W["post_attn_norm"], eps)
+        route = None
+        if t.is_moe(l):
+            forced = self.forced_routes.get(f"layers.{l}.router_ids")
+            forced = None if forced is None else forced[start:start + m_TD.shape[0]]
+            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False))  # (R1-R7)
+            f_TD, route = moe.out_TD, moe.route
+        else:
+            f_TD = situ_glu.dense(m_TD, W, t)  # (D1)
+        stream.add_ffn(fed("ffn_out", f_TD))  # (A2.7)
+        return LayerOut(x_TD, a_TD, y_TD, f_TD, route, snaps)
 
     # ---- the layer loop ----
-    def _forward(self, ids_T: torch.Tensor, cache: ModelCache, decode: bool, boundaries: list[int]):
+    def _forward(self, ids_T: torch.Tensor | None, cache: ModelCache, decode: bool, boundaries: list[int],
+                 feed: Feed | None = None, collect: dict | None = None) -> torch.Tensor:
         t, start, eps = self.text, cache.length, self.text.rms_norm_eps
-        h0_TD = head.embed(ids_T, self.w)  # (E0)
+        h0_TD = head.embed(ids_T, self.w) if ids_T is not None else None  # (E0)
+        h0_TD = self._fed(feed, "embed", h0_TD)
         self._tap("embed", h0_TD, start)
         stream = BlockResidual(h0_TD, t.attn_res_block_size, eps)  # (A2) B = [], S = h⁰
         snaps = {n: [None] * t.num_hidden_layers for n in boundaries}
         for l in range(t.num_hidden_layers):
             W = self.w.layer(l, decode=decode)  # this layer's weights: read now, dropped below
-            x_TD = stream.mixer_input(l, W["attn_res.norm"], W["attn_res.proj"])  # (A2.1-2)
-            self._tap(f"layers.{l}.attn_res_out", x_TD, start)
-            n_TD = rms_norm(x_TD, W["input_norm"], eps)
-            state = cache.layers[l]
-            if t.is_mla(l):
-                a_TD, _ = mla.forward(n_TD, W, state, t, absorbed=decode)  # (M1-M5)
-                for n in boundaries:
-                    snaps[n][l] = state.truncated(start + n)
-                self._tap_state(f"layers.{l}.mla_latent", state.latent_SC)
-            else:
-                a_TD, new_state, at = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries)  # (K1-K7)
-                cache.layers[l] = new_state
-                for n, s in at.items():
-                    snaps[n][l] = s
-                self._tap_state(f"layers.{l}.kda_state", new_state.recurrent_HKV)
-                self._tap_state(f"layers.{l}.kda_conv", new_state.conv_3WP)
-            self._tap(f"layers.{l}.mixer_out", a_TD, start)
-            stream.add_mixer(a_TD)  # (A2.4)
-            y_TD = stream.ffn_input(l, W["ffn_res.norm"], W["ffn_res.proj"])  # (A2.5)
-            self._tap(f"layers.{l}.ffn_res_out", y_TD, start)
-            m_TD = rms_norm(y_TD, W["post_attn_norm"], eps)
-            if t.is_moe(l):
-                forced = self.forced_routes.get(f"layers.{l}.router_ids")
-                forced = None if forced is None else forced[start:start + ids_T.shape[0]]
-                f_TD, ids_TK, w_TK, margin_T = latent_moe.forward(m_TD, W, t, forced)  # (R1-R7)
-                self._tap(f"layers.{l}.router_ids", ids_TK, start)
-                self._tap(f"layers.{l}.router_weights", w_TK, start)
-                self._tap(f"layers.{l}.router_margin", margin_T, start)
-            else:
-                f_TD = situ_glu.dense(m_TD, W, t)  # (D1)
-            self._tap(f"layers.{l}.ffn_out", f_TD, start)
-            stream.add_ffn(f_TD)  # (A2.7)
-            del W, x_TD, n_TD, a_TD, y_TD, m_TD, f_TD  # free the layer before reading the next
+            out = self.layer(l, W, stream, cache, start, decode, boundaries, feed)
+            for n, s in out.snapshots.items():
+                snaps[n][l] = s
+            self._record_layer(l, out, cache, start, collect)
+            del W, out  # free the layer before reading the next
         g = self.w.global_tensor
         h_TD = stream.output(g("out_res.norm"), g("out_res.proj"))  # h_final = AttnRes_out(B ++ [S])
         self._tap("final_hidden", h_TD, start)
-        logits_TV = self.w.gather_vocab(head.logits(h_TD, g("final_norm"), g("lm_head"), eps))  # (F1)
+        h_in = self._fed(feed, "final_hidden", h_TD)
+        logits_TV = self.w.gather_vocab(head.logits(h_in, g("final_norm"), g("lm_head"), eps))  # (F1)
         self._tap("logits", logits_TV, start)
-        cache.length = start + ids_T.shape[0]
+        if collect is not None:
+            collect.update(final_hidden=h_TD, logits=logits_TV)
+        cache.length = start + h0_TD.shape[0]
         for n, layers in snaps.items():
             cache.snapshots[start + n] = ModelCache(layers, start + n)
         return logits_TV
+
+    def _record_layer(self, l: int, out: LayerOut, cache: ModelCache, start: int, collect: dict | None) -> None:
+        p = f"layers.{l}."
+        self._tap(p + "attn_res_out", out.attn_res_out, start)
+        self._tap(p + "mixer_out", out.mixer_out, start)
+        self._tap(p + "ffn_res_out", out.ffn_res_out, start)
+        if out.route is not None:
+            self._tap(p + "router_ids", out.route.ids_TK, start)
+            self._tap(p + "router_weights", out.route.weights_TK, start)
+            self._tap(p + "router_margin", out.route.margin_T, start)
+        self._tap(p + "ffn_out", out.ffn_out, start)
+        state = cache.layers[l]
+        if self.text.is_mla(l):
+            self._tap_state(p + "mla_latent", state.latent_SC)
+        else:
+            self._tap_state(p + "kda_state", state.recurrent_HKV)
+            self._tap_state(p + "kda_conv", state.conv_3WP)
+        if collect is not None:
+            if l > 0:  # layer 0's AttnRes output is the embedding itself
+                collect[p + "attn_res_out"] = out.attn_res_out
+            collect.update({p + "mixer_out": out.mixer_out, p + "ffn_res_out": out.ffn_res_out,
+                            p + "ffn_out": out.ffn_out})
+            if out.route is not None:
+                collect["own." + p + "router_ids"] = out.route.own_ids_TK

@@ -1,7 +1,9 @@
-"""Taps: named intermediates recorded at chosen token positions.
+"""Taps: named intermediates, and the one grammar every other module derives them from.
 
-Tap names are a **stable contract**: goldens, device dumps and the comparator key on them
-(docs/executor.md lists them). ``{l}`` is the 0-based decoder layer.
+Tap names are a **stable contract**: goldens, device dumps, tolerances and the comparator key
+on them (docs/executor.md lists them). ``TAPS`` below is the only list: forward order, where a
+tap occurs, whether it has a position axis, how validate judges it and whether a dump must
+carry it. ``{l}`` is the 0-based decoder layer.
 
 Per-position taps (one row per recorded position, leading axis = position):
 
@@ -24,7 +26,7 @@ State taps (the value after the last call that touched the layer; no position ax
 |---|---|---|
 | ``layers.{l}.kda_state`` | recurrent state S (K5), key channels on rows | [H, dk, dv] |
 | ``layers.{l}.kda_conv`` | conv state, last 3 pre-conv inputs of q, k, v (K1) | [3, 3, P] |
-| ``layers.{l}.mla_latent`` | latent cache [ĉ_kv ‖ k_pe] (M2/M3) | [S, kv_lora + rope] |
+| ``layers.{l}.mla_latent`` | latent cache [ĉ_kv ‖ k_pe] (M2/M3), one row per position | [S, kv_lora + rope] |
 
 Values are detached CPU copies in the dtype they had (bf16 taps stay bf16; ``numpy()``
 upcasts them to float32 because numpy has no bfloat16).
@@ -33,28 +35,97 @@ upcasts them to float32 because numpy has no bfloat16).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-PER_POSITION = ("embed", "layers.{l}.attn_res_out", "layers.{l}.mixer_out", "layers.{l}.ffn_res_out",
-                "layers.{l}.router_ids", "layers.{l}.router_weights", "layers.{l}.router_margin",
-                "layers.{l}.ffn_out",
-                "final_hidden", "logits")
-STATES = ("layers.{l}.kda_state", "layers.{l}.kda_conv", "layers.{l}.mla_latent")
+
+@dataclass(frozen=True)
+class TapSpec:
+    kind: str  # the last part of the name; tolerances are keyed by it
+    where: str  # "model" (once), "layer" (every layer), "moe", "kda", "mla" (layers of that kind)
+    state: bool  # no position axis: the value after the last call (mla_latent: rows by position)
+    judged: str  # "tensor" (distance metrics), "logits" (distribution), "router" (as sets), "evidence"
+    in_dump: bool  # a device dump must carry it (docs/dump-format.md)
+
+    def name(self, layer: int | None = None) -> str:
+        return self.kind if self.where == "model" else f"layers.{layer}.{self.kind}"
 
 
-def tap_names(num_layers: int, is_mla, is_moe) -> list[str]:
-    """Every tap name a model of this shape can produce, in forward order."""
-    names = ["embed"]
-    for l in range(num_layers):
-        names += [f"layers.{l}.attn_res_out", f"layers.{l}.mixer_out", f"layers.{l}.ffn_res_out"]
-        if is_moe(l):
-            names += [f"layers.{l}.router_ids", f"layers.{l}.router_weights", f"layers.{l}.router_margin"]
-        names.append(f"layers.{l}.ffn_out")
-        names += [f"layers.{l}.mla_latent"] if is_mla(l) else [f"layers.{l}.kda_state", f"layers.{l}.kda_conv"]
-    return names + ["final_hidden", "logits"]
+# Forward order: the order a layer produces them (mixer states belong to the mixer step but are
+# read after the layer, as the executor records them).
+TAPS: tuple[TapSpec, ...] = (
+    TapSpec("embed", "model", False, "tensor", False),
+    TapSpec("attn_res_out", "layer", False, "tensor", False),
+    TapSpec("mixer_out", "layer", False, "tensor", True),
+    TapSpec("ffn_res_out", "layer", False, "tensor", False),
+    TapSpec("router_ids", "moe", False, "router", False),
+    TapSpec("router_weights", "moe", False, "tensor", False),
+    TapSpec("router_margin", "moe", False, "evidence", False),
+    TapSpec("ffn_out", "layer", False, "tensor", True),
+    TapSpec("kda_state", "kda", True, "tensor", False),
+    TapSpec("kda_conv", "kda", True, "tensor", False),
+    TapSpec("mla_latent", "mla", True, "tensor", False),
+    TapSpec("final_hidden", "model", False, "tensor", True),
+    TapSpec("logits", "model", False, "logits", True),
+)
+SPEC: dict[str, TapSpec] = {s.kind: s for s in TAPS}
+LAYER_TAPS = tuple(s for s in TAPS if s.where != "model")
+#: kinds a tolerance file may give limits to (router ids are judged as sets, margins not at all)
+JUDGED_KINDS = tuple(s.kind for s in TAPS if s.judged in ("tensor", "logits"))
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def tap_kind(name: str) -> str:
+    """``layers.3.mixer_out`` -> ``mixer_out``; ``decode.logits`` -> ``logits``; ``case/x`` -> ``x``."""
+    return name.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def spec_of(name: str) -> TapSpec | None:
+    return SPEC.get(tap_kind(name))
+
+
+def _occurs(spec: TapSpec, text, layer: int) -> bool:
+    return {"layer": True, "moe": text.is_moe(layer), "kda": not text.is_mla(layer),
+            "mla": text.is_mla(layer)}[spec.where]
+
+
+def tap_names(text, kinds: Iterable[TapSpec] = TAPS) -> list[str]:
+    """Every tap name a model of this shape produces (``kinds`` of them), in forward order."""
+    kinds = tuple(kinds)
+    names = [s.name() for s in kinds if s.where == "model" and s.kind == "embed"]
+    for l in range(text.num_hidden_layers):
+        names += [s.name(l) for s in kinds if s.where != "model" and _occurs(s, text, l)]
+    return names + [s.name() for s in kinds if s.where == "model" and s.kind != "embed"]
+
+
+def dump_required(num_layers: int) -> list[str]:
+    """The taps a device dump of one case must carry, in forward order (every one of them occurs
+    in every layer or once per model, so the layer count is all it takes)."""
+    need = [s for s in TAPS if s.in_dump]
+    assert all(s.where in ("layer", "model") for s in need)
+    names = [s.name(l) for l in range(num_layers) for s in need if s.where == "layer"]
+    return names + [s.name() for s in need if s.where == "model"]
+
+
+def forward_key(name: str) -> tuple:
+    """Sort key: embed, then layers in order (taps in forward order), then final taps; decode
+    taps (``decode.…``) after prompt taps."""
+    l, kind = layer_of(name), tap_kind(name)
+    order = next((i for i, s in enumerate(TAPS) if s.kind == kind), len(TAPS))
+    decode = name.startswith("decode.")
+    if l is None:
+        return (decode, 0 if kind == "embed" else 10**9, order, name)
+    return (decode, l + 1, order, name)
 
 
 class TapRecorder:
@@ -74,10 +145,9 @@ class TapRecorder:
         """``value`` has one row per token, tokens at positions start, start+1, ..."""
         if not self.wants(name):
             return
-        rows = self._rows.setdefault(name, {})
         for i in range(value.shape[0]):
             if self.positions is None or start + i in self.positions:
-                rows[start + i] = value[i].detach().to("cpu", copy=True)
+                self._rows.setdefault(name, {})[start + i] = value[i].detach().to("cpu", copy=True)
 
     def record_state(self, name: str, value: torch.Tensor) -> None:
         if self.wants(name):

@@ -39,17 +39,13 @@ from pathlib import Path
 import torch
 
 from k3bundle.config import K3Config
-from k3bundle.errors import K3Error
+from k3bundle.executor.errors import ExecutorError
 from k3bundle.formats import mxfp4
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
 from k3bundle.source import SourceCheckpoint
 
 EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (spec §2.8)
-
-
-class ExecutorError(K3Error):
-    """The executor was asked for something impossible (bad token id, dtype, device)."""
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,13 @@ from pathlib import Path
 import yaml
 
 from k3bundle.chat import render_ids
-from k3bundle.errors import K3Error
+from k3bundle.golden.errors import CaseError
 
 KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
 _KEYS = {"schema_version", "name", "kind", "description", "prompt", "messages", "tools", "render",
          "generate", "taps", "long_context", "requires", "image"}
 _RENDER_KEYS = {"thinking", "thinking_effort", "tool_choice", "response_format"}
 SUPPORTED_FEATURES: set[str] = set()  # "vision" joins once the executor runs MoonViT-V2
-
-
-class CaseError(K3Error):
-    """A golden case file is malformed."""
 
 
 @dataclass(frozen=True)

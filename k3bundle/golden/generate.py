@@ -1,9 +1,10 @@
 """``k3bundle golden``: run the executor in high precision over the case suite.
 
-For each runnable case: build its ids (chat rendering with the checkpoint's tokenizer), run a
-teacher-forced prefill with every tap recorded at the case's positions, snapshot KDA states at
-chunk boundaries, then continue greedily for ``steps`` tokens recording the step logits and
-the per-step state (KDA recurrent state, the newest MLA latent row) for drift checks.
+For each runnable case: build its ids (chat rendering with the checkpoint's tokenizer), then
+``executor.case.run_case``: a prefill with every tap recorded at the case's positions, KDA
+states snapshotted at chunk boundaries, every expert choice kept, then ``steps`` greedy tokens
+with the step logits and the per-step state (KDA recurrent state, the newest MLA latent row)
+for drift checks.
 
 Files (``docs/golden.md``): ``golden_inputs.npz`` (ids, greedy tokens, metadata) and
 ``golden_intermediates.npz`` (zstd; taps, states, logits), both carrying the seed, the
@@ -22,8 +23,9 @@ import numpy as np
 import torch
 
 from k3bundle import __version__
-from k3bundle.executor import Executor, SourceWeights, TapRecorder
-from k3bundle.executor.cache import KDAState, MLAState
+from k3bundle.executor import SourceWeights
+from k3bundle.executor.case import run_case
+from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
 from k3bundle.golden.store import content_hash, meta_array, write_npz
 from k3bundle.golden.tolerances import tolerance_path
@@ -53,67 +55,12 @@ def _chunk_boundaries(length: int, chunk: int) -> list[int]:
     return sorted({grid[int((i + 1) * step) - 1] for i in range(MAX_CHUNK_SNAPSHOTS)})
 
 
-class _Both:
-    """Two tap recorders behind the executor's one ``taps`` slot."""
-
-    def __init__(self, *recorders: TapRecorder):
-        self.recorders = recorders
-
-    def record(self, name, value, start):
-        for r in self.recorders:
-            r.record(name, value, start)
-
-    def record_state(self, name, value):
-        for r in self.recorders:
-            r.record_state(name, value)
-
-
-def run_case(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
-    """The golden arrays of one case, keys relative to the case (``tap``, ``positions``, ...)."""
-    text = weights.config.text
-    positions = case.taps.positions(len(ids))
-    decode_positions = list(range(len(ids), len(ids) + max(case.steps - 1, 0)))
-    rec = TapRecorder(positions=positions + decode_positions)
-    # expert choices at every position (small), so a device run can replay them (forced routing)
-    routes = TapRecorder(names=["layers.*.router_ids"])
-    ex = Executor(weights, taps=_Both(rec, routes))
-    bounds = _chunk_boundaries(len(ids), ex.chunk)
-    logits_TV, cache = ex.prefill(ids, snapshot_at=bounds)
-    out: dict[str, np.ndarray] = {"positions": np.asarray(positions, dtype=np.int64)}
-    for name in rec.names():  # per-position taps at prompt positions, and states after prefill
-        value = rec[name]
-        if name.endswith(("kda_state", "kda_conv")):
-            out[name] = _np(value)
-        elif name.endswith("mla_latent"):
-            out[name] = _np(value[positions])  # latent rows at the tapped positions only
-        else:
-            out[name] = _np(value[: len(positions)])
-    out["chunk_positions"] = np.asarray(bounds, dtype=np.int64)
-    for l in text.kda_layers:
-        if bounds:
-            out[f"chunk_states.layers.{l}.kda_state"] = np.stack(
-                [_np(cache.snapshots[b].layers[l].recurrent_HKV) for b in bounds])
-
-    # greedy continuation: token i is the argmax of the logits before it (row 0 = prefill's last)
-    tokens, step_rows, states = [], [logits_TV[-1]], {l: [] for l in range(text.num_hidden_layers)}
-    for i in range(case.steps):
-        tokens.append(int(torch.argmax(step_rows[-1])))
-        if i + 1 < case.steps:
-            step_rows.append(ex.decode(tokens[-1], cache))
-            for l, s in enumerate(cache.layers):
-                states[l].append(s.recurrent_HKV if isinstance(s, KDAState) else s.latent_SC[-1])
-    out["greedy_tokens"] = np.asarray(tokens, dtype=np.int64)
-    for name in routes.names():  # prompt + decode positions, in position order
-        out[f"routes.{name}"] = _np(routes[name])
-    out["step_logits"] = _np(torch.stack(step_rows[: case.steps])) if case.steps else np.zeros((0, text.vocab_size), np.float32)
-    for l, rows in states.items():
-        if rows:
-            kind = "mla_latent" if isinstance(cache.layers[l], MLAState) else "kda_state"
-            out[f"decode_states.layers.{l}.{kind}"] = np.stack([_np(r) for r in rows])
-    for name in rec.names():  # per-position taps at decode positions (the device's decode path)
-        if not name.endswith(("kda_state", "kda_conv", "mla_latent")) and len(decode_positions):
-            out[f"decode.{name}"] = _np(rec[name][len(positions):])
-    return out
+def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
+    """The golden arrays of one case (``executor.case.run_case``: greedy, every expert choice
+    recorded, KDA states at chunk boundaries), as numpy."""
+    run = run_case(weights, ids, case.taps.positions(len(ids)), steps=case.steps,
+                   snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True)
+    return {k: _np(v) for k, v in run.arrays.items()}
 
 
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
@@ -150,7 +97,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             summary.append({**entry, "status": "not run", "reason": case.not_run_reason})
             continue
         ids = case.build_ids(encoding, long_tokens if case.kind == "long_context" else None)
-        arrays = run_case(weights, case, ids)
+        arrays = case_arrays(weights, case, ids)
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():
@@ -164,7 +111,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     digest = content_hash(inter)
     meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,
             "device": str(weights.device), "tolerance": tol_file.name, "content_hash": digest,
-            "cases": summary, "source": str(source.resolve()), "chunk": 64}
+            "cases": summary, "source": str(source.resolve()), "chunk": CHUNK}
     out.mkdir(parents=True, exist_ok=True)
     inter["__meta__"] = meta_array(meta)
     inputs["__meta__"] = meta_array(meta)

@@ -23,15 +23,11 @@ import numpy as np
 import zstandard
 
 from k3bundle.bundle.common import write_atomic
-from k3bundle.errors import K3Error
+from k3bundle.golden.errors import GoldenFileError
 
 META_KEY = "__meta__"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-class GoldenFileError(K3Error):
-    """A golden file is missing, unreadable or inconsistent."""
 
 
 def content_hash(arrays: dict[str, np.ndarray]) -> str:

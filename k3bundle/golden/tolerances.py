@@ -9,11 +9,11 @@ A file has five sections (docs/validation.md explains each number's origin):
 - ``router``: expert-set agreement and the near-tie margin that exempts a flip;
 - ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift.
 
-Per-tap sections map a tap kind (the last part of a tap name: ``mixer_out``, ``ffn_out``,
-``attn_res_out``, ``ffn_res_out``, ``final_hidden``, ``logits``, ``kda_state``, ``mla_latent``,
-``embed``, ``router_weights``) or ``default`` to metric limits (``nmse`` max, ``cosine`` min,
-``max_abs`` max). Unknown sections, kinds or metrics are errors: a typo must not silently
-loosen a gate.
+Per-tap sections map a tap kind (the last part of a tap name; the kinds the tap grammar
+``executor.taps.TAPS`` judges as tensors or logits) or ``default`` to metric limits. ``METRICS``
+is the one table of metrics and their direction: a ``max`` limit is an upper bound (NMSE, KL
+divergence), a ``min`` limit a lower bound (cosine, top-1 agreement, expert-set agreement).
+Unknown sections, kinds or metrics are errors: a typo must not silently loosen a gate.
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from pathlib import Path
 
 import yaml
 
-from k3bundle.errors import K3Error
+from k3bundle.golden.errors import ToleranceError
+from k3bundle.executor.taps import JUDGED_KINDS, tap_kind
 
-TAP_KINDS = ("embed", "attn_res_out", "mixer_out", "ffn_res_out", "ffn_out", "router_weights",
-             "final_hidden", "logits", "kda_state", "kda_conv", "mla_latent")
-METRICS = {"nmse": "max", "cosine": "min", "max_abs": "max"}
+#: every metric a limit can be set on, and whether the limit is its "max" or its "min"
+METRICS = {
+    "nmse": "max", "cosine": "min", "max_abs": "max",  # distance (any tap)
+    "kld_mean": "max", "kld_p99": "max", "top1": "min", "top5": "min",  # distribution (logits)
+    "expert_set": "min",  # indices (router)
+}
+TENSOR_METRICS = ("nmse", "cosine", "max_abs")
 SECTIONS = {
     "added": None, "inherited": None, "emulation": None,
     "logits": {"kld_mean", "kld_p99", "top1"},
@@ -35,15 +40,6 @@ SECTIONS = {
     "greedy": {"near_tie_margin"},
     "state": {"drift_nmse"},
 }
-
-
-class ToleranceError(K3Error):
-    """A tolerance file is malformed."""
-
-
-def tap_kind(name: str) -> str:
-    """``layers.3.mixer_out`` -> ``mixer_out``; ``decode.logits`` -> ``logits``."""
-    return name.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -105,13 +101,13 @@ def load_tolerances(path: str | Path) -> Tolerances:
         if keys is None:
             table = {}
             for kind, limits in body.items():
-                if kind != "default" and kind not in TAP_KINDS:
-                    raise ToleranceError(f"{path}: {section}.{kind} is not a tap kind ({', '.join(TAP_KINDS)})")
+                if kind != "default" and kind not in JUDGED_KINDS:
+                    raise ToleranceError(f"{path}: {section}.{kind} is not a tap kind ({', '.join(JUDGED_KINDS)})")
                 if not isinstance(limits, dict):
                     raise ToleranceError(f"{path}: {section}.{kind} must map metrics to limits")
-                bad = sorted(set(limits) - set(METRICS))
+                bad = sorted(set(limits) - set(TENSOR_METRICS))
                 if bad:
-                    raise ToleranceError(f"{path}: {section}.{kind}.{bad[0]} is not a metric ({', '.join(METRICS)})")
+                    raise ToleranceError(f"{path}: {section}.{kind}.{bad[0]} is not a metric ({', '.join(TENSOR_METRICS)})")
                 table[kind] = {m: _num(v, f"{section}.{kind}.{m}", str(path)) for m, v in limits.items()}
             out[section] = table
         else:

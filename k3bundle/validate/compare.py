@@ -2,41 +2,21 @@
 
 Every comparison returns a ``TapResult`` that carries its evidence: the metric values, the
 limits applied, whether it passed, and for a failure the minimum limit that would have passed
-(style-anchors §5). ``first_failure`` orders results in forward order (layer, then the tap's
-place in the layer) so the first failing layer and tap are named.
+(style-anchors §5). ``first_failure`` orders results in the tap grammar's forward order (layer,
+then the tap's place in the layer) so the first failing layer and tap are named. One rule
+judges every metric: ``golden.tolerances.METRICS`` says whether its limit is a max or a min.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
 
-from k3bundle.golden.tolerances import METRICS, Tolerances, tap_kind
+from k3bundle.executor.taps import forward_key, layer_of
+from k3bundle.golden.tolerances import METRICS, Tolerances
 from k3bundle.validate import metrics as M
-
-# forward order of per-layer taps inside one layer
-_ORDER = ("attn_res_out", "mixer_out", "ffn_res_out", "router_ids", "router_weights", "ffn_out",
-          "kda_state", "kda_conv", "mla_latent")
-_AT_LEAST = {"cosine", "top1", "top5", "expert_set"}  # metrics where larger is better
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_of(tap: str) -> int | None:
-    m = _LAYER.search(tap)
-    return int(m.group(1)) if m else None
-
-
-def forward_key(tap: str) -> tuple:
-    """Sort key: embed, then layers in order (taps in forward order), then final taps."""
-    l = layer_of(tap)
-    kind = tap_kind(tap)
-    decode = tap.startswith("decode.")
-    if l is None:
-        return (decode, 0 if kind == "embed" else 10**9, 0, tap)
-    return (decode, l + 1, _ORDER.index(kind) if kind in _ORDER else len(_ORDER), tap)
 
 
 @dataclass
@@ -58,7 +38,7 @@ class TapResult:
 
     def line(self) -> str:
         vals = ", ".join(f"{k}={_fmt(v)}" for k, v in self.values.items())
-        lims = ", ".join(f"{k} {'>=' if k in _AT_LEAST else '<='} {_fmt(v)}"
+        lims = ", ".join(f"{k} {'>=' if METRICS[k] == 'min' else '<='} {_fmt(v)}"
                          for k, v in self.limits.items())
         status = "PASSED" if self.passed else "FAILED"
         return f"{status} | {self.case} | {self.mode} | {self.tap} | {vals} | limits {lims}"
@@ -69,6 +49,7 @@ def _fmt(v: float) -> str:
 
 
 def judge(values: dict[str, float], limits: dict[str, float]) -> tuple[bool, dict[str, float]]:
+    """(passed, {metric: value} of every limit missed). NaN never passes."""
     ok, need = True, {}
     for metric, limit in limits.items():
         v = values.get(metric)
@@ -94,13 +75,7 @@ def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol:
     values = {"kld_mean": float(k.mean()) if k.numel() else 0.0, "kld_p99": M.quantile(k, 0.99),
               "top1": M.topk_agreement(ref, x, 1), "top5": M.topk_agreement(ref, x, min(5, ref.shape[-1]))}
     limits = dict(tol.logits)
-    ok = True
-    need = {}
-    for name, limit in limits.items():
-        v = values[name]
-        good = v >= limit if name == "top1" else v <= limit
-        if not good or math.isnan(v):
-            ok, need[name] = False, v
+    ok, need = judge(values, limits)
     return TapResult(case, tap, "distribution", values, limits, ok, need)
 
 
@@ -108,10 +83,10 @@ def compare_router(case: str, tap: str, ref_ids: torch.Tensor, ids: torch.Tensor
                    ref_margin: torch.Tensor | None, tol: Tolerances) -> TapResult:
     eps = tol.router.get("near_tie_eps", 0.0)
     agree, exempt = M.expert_set_agreement(ref_ids, ids, ref_margin, eps)
-    limit = tol.router.get("expert_set", 1.0)
-    ok = agree >= limit
+    limits = {"expert_set": tol.router.get("expert_set", 1.0)}
+    ok, need = judge({"expert_set": agree}, limits)
     return TapResult(case, tap, "router", {"expert_set": agree, "near_tie_exempt": float(exempt)},
-                     {"expert_set": limit}, ok, {} if ok else {"expert_set": agree})
+                     limits, ok, need)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """One ``torch.distributed`` process per TP/EP rank: the device run, really sharded.
 
-``DistributedDevice.run`` launches ``torchrun --nproc_per_node N -m k3bundle.validate.worker``.
-Each worker reads only its rank's device tensors (``BundleWeights(rank=r)``); partial results
-cross ranks through ``all_reduce`` / ``all_gather`` (gloo on CPU, NCCL on CUDA); rank 0 writes
-the device arrays of every case, which this process then judges exactly like a merged run.
+``Distributed.prepare`` launches ``torchrun --nproc_per_node N -m k3bundle.validate.worker``.
+Each worker reads only its rank's device tensors (``BundleWeights(rank=r)``) and runs the
+executor's one case runner and teacher-forced pass on them; partial results cross ranks through
+``all_reduce`` / ``all_gather`` (gloo on CPU, NCCL on CUDA); rank 0 writes the device arrays of
+every case, which ``case`` then hands to the judge exactly like a merged run.
 Supported layouts: attention tensor-parallel over every rank (TP = world), EP over the same
 ranks, no pipeline stages and no attention data parallelism — the merged mode covers the rest.
 """
@@ -11,6 +12,8 @@ ranks, no pipeline stages and no attention data parallelism — the merged mode 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +21,12 @@ from pathlib import Path
 
 from k3bundle.bundle.weights import bundle_layout
 from k3bundle.golden.store import read_npz
-from k3bundle.validate.run import ValidateError
+from k3bundle.validate.devices import CaseOutput, Device, as_tensor
+from k3bundle.validate.errors import ValidateError
 
-
-class DistributedDevice:
-    distributed = True
-
+class Distributed(Device):
     def __init__(self, bundle: str | Path, device: str = "cpu", nproc: int | None = None):
         self.bundle = Path(bundle)
-        self.device = device
         par = bundle_layout(self.bundle)["parallel"]
         world = par["tp"]
         if par.get("pp", 1) != 1 or par.get("attention_dp", 1) != 1:
@@ -35,9 +35,11 @@ class DistributedDevice:
                                 f"{par.get('attention_dp')}); use --ranks merged")
         if nproc is not None and nproc != world:
             raise ValidateError(f"{self.bundle}: the layout has {world} ranks, --nproc {nproc} differs")
-        self.nproc = world
+        super().__init__(device)
+        self.device, self.nproc = device, world
+        self.results: dict[str, tuple[dict, dict | None]] = {}
 
-    def run(self, validation: Path) -> dict[str, tuple[dict, dict | None]]:
+    def prepare(self, validation: Path, cases: list[str]) -> None:
         with tempfile.TemporaryDirectory(prefix="k3-ranks-") as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
@@ -45,29 +47,39 @@ class DistributedDevice:
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
-                tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
-                raise ValidateError(f"{self.bundle}: distributed device run failed (exit {r.returncode}): {tail[0]}")
-            out = {}
+                raise ValidateError(f"{self.bundle}: distributed device run failed (exit {r.returncode}): "
+                                    f"{_cause(r.stderr or r.stdout)}")
             for f in sorted(Path(tmp).glob("*.npz")):
                 arrays = read_npz(f)
-                cand = {k[5:]: _t(v) for k, v in arrays.items() if k.startswith("cand/")}
-                outs = {k[5:]: _t(v) for k, v in arrays.items() if k.startswith("outs/")}
-                out[f.stem] = (cand, outs or None)
-            return out
+                cand = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("cand/")}
+                outs = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("outs/")}
+                self.results[f.stem] = (cand, outs or None)
 
-    def __call__(self, dtype: str):  # the merged reference is never needed in device mode
-        raise ValidateError("a distributed device has no in-process weights")
+    def case(self, name, golden, ids):
+        cand, layers = self.results[name]
+        return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
+                          "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+
+def _cause(output: str) -> str:
+    """The line that says why a rank died: the last exception line of its traceback, else the
+    last line (torchrun's banner of ``====`` lines and 'Root Cause' tables is skipped)."""
+    lines = [l.strip() for l in output.strip().splitlines() if l.strip()]
+    errors = [l for l in lines if _is_exception_line(l)]
+    if errors:
+        m = _EXCEPTION.search(errors[-1])
+        return errors[-1][m.start(1):]
+    useful = [l for l in lines if set(l) - set("=-* ")]
+    return useful[-1] if useful else "(no output)"
+
+_EXCEPTION = re.compile(r"(?:^|[\s\]:])([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): ")
 
 
-def _t(a):
-    import torch
-
-    return torch.from_numpy(a.copy())
-
+def _is_exception_line(line: str) -> bool:
+    """``RuntimeError: …``, also behind torchrun's ``[rank1]:`` prefix."""
+    return _EXCEPTION.search(line) is not None
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+

@@ -7,7 +7,8 @@ golden position (``CASE/positions`` in the goldens, in that order), plus optiona
 ``logits``, ``final_hidden`` and, for every layer, ``layers.{l}.mixer_out`` and
 ``layers.{l}.ffn_out``; every other golden tap is optional. A tap that is present must have the
 golden's shape and only finite values. Problems are collected and reported in one
-``DumpError`` (exit 2), naming the file and tensor.
+``DumpError`` (exit 2), naming the file and tensor. Which taps are required is the tap
+grammar's word (``executor.taps.TAPS``, ``in_dump``).
 """
 
 from __future__ import annotations
@@ -17,24 +18,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.errors import K3Error
+from k3bundle.executor.taps import dump_required, layer_of
 from k3bundle.io import SafetensorsFile
+from k3bundle.validate.errors import DumpError
 
 OPTIONAL_EXTRA = ("greedy_tokens", "step_logits")
 
 
-class DumpError(K3Error):
-    """A dump directory or file is unusable (missing file or tap, wrong shape, NaN/Inf)."""
+def num_layers(golden: dict) -> int:
+    """Number of decoder layers, from the golden's prompt taps."""
+    layers = {layer_of(k) for k in golden if k.startswith("layers.")}
+    return max(layers) + 1 if layers else 0
 
 
-def required_taps(num_layers: int) -> list[str]:
-    names = ["logits", "final_hidden"]
-    for l in range(num_layers):
-        names += [f"layers.{l}.mixer_out", f"layers.{l}.ffn_out"]
-    return names
-
-
-def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], num_layers: int) -> dict[str, torch.Tensor]:
+def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """Load and check ``DIR/CASE.safetensors`` against the case's golden arrays."""
     path = Path(directory) / f"{case}.safetensors"
     if not path.is_file():
@@ -43,7 +40,7 @@ def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], n
     out: dict[str, torch.Tensor] = {}
     with SafetensorsFile(path) as f:
         keys = set(f.keys())
-        for name in required_taps(num_layers):
+        for name in dump_required(num_layers(golden)):
             if name not in keys:
                 problems.append(f"required tap {name!r} is missing")
         for name in sorted(keys):

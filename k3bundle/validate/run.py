@@ -1,7 +1,9 @@
 """``k3bundle validate``: judge a device run against the goldens and write the sign-off report.
 
-Two devices under test: the built-in executor on a bundle's device weights (``--device``), or
-intermediates dumped by an external runtime (``--dumps DIR``, docs/dump-format.md). Exit codes:
+The device under test is one of ``validate.devices`` (the built-in executor in this process or
+one process per rank, or an external runtime's dumps); each yields, per case, the candidate's
+taps and its teacher-forced layer outputs. ``validate()`` only loops over the cases and judges
+(``judge.py``). A case that yields nothing to compare is "not run", never "pass". Exit codes:
 0 pass, 1 numerical fail, 2 bad input.
 """
 
@@ -14,18 +16,14 @@ from pathlib import Path
 
 import torch
 
-from k3bundle.errors import K3Error
-from k3bundle.golden.store import GoldenFileError, read_meta, read_npz
+from k3bundle.golden.errors import GoldenFileError
+from k3bundle.golden.store import read_meta, read_npz
 from k3bundle.golden.tolerances import Tolerances, load_tolerances
 from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure
-from k3bundle.validate.device import (
-    _t, compare_layer_outputs, device_case, inherited_checks, layer_outputs, state_drift,
-)
-from k3bundle.validate.dumps import read_dump
-
-
-class ValidateError(K3Error):
-    """validate cannot run: missing goldens, bad arguments."""
+from k3bundle.validate.devices import Device, as_tensor
+from k3bundle.validate.errors import ValidateError
+from k3bundle.validate.judge import inherited_checks, layer_checks, state_drift
+from k3bundle.validate.metrics import kld
 
 
 @dataclass
@@ -84,6 +82,9 @@ def _case_arrays(inter: dict, case: str) -> dict:
 
 
 def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
+    if not rep.results and rep.greedy is None and not rep.drift:
+        rep.status, rep.reason = "not run", "no comparisons: the device produced no tap the goldens have"
+        return rep
     drift_ok = all(v <= tol.state.get("drift_nmse", float("inf")) for vals in rep.drift.values() for v in vals)
     greedy_ok = rep.greedy is None or rep.greedy.passed
     ok = all(r.passed for r in rep.results) and drift_ok and greedy_ok
@@ -95,76 +96,48 @@ def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
     return rep
 
 
-def validate(bundle: str | Path, weights_factory: Callable[[str], object] | None = None,
-             dumps: str | Path | None = None, device: str = "cpu", validation: str | Path | None = None,
+def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> CaseReport:
+    """Every check of one case on what the device produced (``devices.CaseOutput``)."""
+    rep = CaseReport(name, kind, "fail", layer_checks=out.skipped)
+    cand = out.cand
+    rep.results += inherited_checks(golden, cand, name, tol, routers=not out.routes_replayed)
+    if out.layers is not None:
+        rep.results += layer_checks(out.layers, out.layer_ref, name, tol, out.layer_mode, margins=golden.get)
+    if "greedy_tokens" in cand and golden["greedy_tokens"].size:
+        rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
+                                    as_tensor(golden["step_logits"]), tol)
+    rep.drift = state_drift(golden, cand)
+    rep.drift_limit = tol.state.get("drift_nmse", 0.0)
+    if "logits" in cand:
+        rep.kld_by_position = kld(as_tensor(golden["logits"]), cand["logits"].to(torch.float64)).tolist()
+    return _finish(rep, tol)
+
+
+def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
              progress: Callable[[int, int, str], None] | None = None) -> Report:
-    """Judge the device (``weights_factory(dtype)`` -> WeightSource) or ``dumps`` against the goldens.
+    """Judge ``device`` (``validate.sources.open_device``) against the goldens of ``bundle``.
 
     Args:
         bundle (`Path`): the bundle (or checkpoint) whose ``validation/`` holds the goldens.
-        weights_factory (`callable`): builds the device's WeightSource for a dtype policy name.
-        dumps (`Path`, optional): a dump directory; then the device is the external runtime.
+        device (`Device`): the device under test: in-process, distributed or dumps.
+        validation (`Path`, optional): another goldens directory.
     """
     t0 = time.time()
     bundle = Path(bundle)
     vdir = Path(validation) if validation else bundle / "validation"
     inputs, inter, meta, tol = load_goldens(vdir)
-    distributed = getattr(weights_factory, "distributed", False)
-    if dumps is None and distributed:  # one torch.distributed process per rank computes everything
-        computed = weights_factory.run(vdir)
-    device_weights = weights_factory("bfloat16") if dumps is None and not distributed else None
-    reference = {}
-    cases = []
     listed = meta.get("cases", [])
+    device.prepare(vdir, [e["name"] for e in listed if e.get("status") == "ok"])
+    cases = []
     for i, entry in enumerate(listed):
-        name = entry["name"]
         if progress:
-            progress(i, len(listed), name)
+            progress(i, len(listed), entry["name"])
         if entry.get("status") != "ok":
-            cases.append(CaseReport(name, entry.get("kind", ""), "not run", entry.get("reason", "")))
+            cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
             continue
-        golden = _case_arrays(inter, name)
-        ids = inputs[f"{name}/ids"]
-        rep = CaseReport(name, entry["kind"], "fail")
-        full = int(golden["positions"].size) == int(ids.size)
-        if dumps is None:
-            if distributed:
-                cand, outs = computed[name]
-            else:
-                cand = device_case(device_weights, golden, ids)
-                outs = layer_outputs(device_weights, golden.get) if full else None
-            rep.results += inherited_checks(golden, cand, name, tol, routers=False)
-            if full:
-                rep.results += compare_layer_outputs(outs, golden.get, name, tol, "added", margins=golden.get)
-            else:
-                rep.layer_checks = "sampled positions: teacher-forced layer checks need every position"
-        else:
-            cand = read_dump(dumps, name, golden, _num_layers(golden))
-            rep.results += inherited_checks(golden, cand, name, tol, routers=True)
-            if full:
-                dtype = "bfloat16" if cand["logits"].dtype == torch.bfloat16 else "float32"
-                if dtype not in reference:
-                    reference[dtype] = weights_factory(dtype)
-                feed = {**cand, "embed": _t(golden["embed"])}
-                outs = layer_outputs(reference[dtype], feed.get)
-                rep.results += compare_layer_outputs(outs, feed.get, name, tol, "emulation", margins=golden.get)
-            else:
-                rep.layer_checks = "sampled positions: emulation layer checks need every position"
-        if "greedy_tokens" in cand and golden["greedy_tokens"].size:
-            rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
-                                        _t(golden["step_logits"]), tol)
-        rep.drift = state_drift(golden, cand)
-        rep.drift_limit = tol.state.get("drift_nmse", 0.0)
-        if "logits" in cand:
-            from k3bundle.validate.metrics import kld
-            rep.kld_by_position = kld(_t(golden["logits"]), cand["logits"].to(torch.float64)).tolist()
-        cases.append(_finish(rep, tol))
+        golden = _case_arrays(inter, entry["name"])
+        out = device.case(entry["name"], golden, inputs[f"{entry['name']}/ids"])
+        cases.append(judge_case(entry["name"], entry["kind"], golden, out, tol))
     if progress:
         progress(len(listed), len(listed), "")
-    return Report(str(bundle), "dumps" if dumps else "device", device, tol, cases, meta, time.time() - t0)
-
-
-def _num_layers(golden: dict) -> int:
-    """Number of decoder layers, from the golden taps (a dump's required taps depend on it)."""
-    layers = {int(k.split(".")[1]) for k in golden if k.startswith("layers.")}
-    return max(layers) + 1 if layers else 0
+    return Report(str(bundle), device.mode, device.name, tol, cases, meta, time.time() - t0)

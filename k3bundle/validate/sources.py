@@ -1,31 +1,40 @@
-"""Which weights play the device under test: a bundle's device weights or a source checkpoint."""
+"""Which device ``k3bundle validate`` judges, from its options (``open_device``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from k3bundle.bundle.weights import BundleWeights
 from k3bundle.executor import SourceWeights
-from k3bundle.validate.run import ValidateError
+from k3bundle.validate.devices import Device, Dumps, InProcess
+from k3bundle.validate.distributed import Distributed
+from k3bundle.validate.errors import ValidateError
 
 
-def weights_factory(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None):
-    """A function dtype -> WeightSource for ``path``.
-
-    A bundle (``manifest.json`` present) is read through its device weights, every rank merged
-    in this process (``ranks="merged"``) or one torch.distributed process per rank
-    (``ranks="distributed"``). A plain checkpoint directory is read as the source itself, which
-    checks the executor and the goldens against each other.
-    """
-    path = Path(path)
+def weights_for(path: Path, device: str = "cpu") -> Callable[[str], object]:
+    """dtype policy -> the executor's weights for ``path``: a bundle's device weights, every
+    rank merged, or a source checkpoint (which checks the executor and the goldens against
+    each other)."""
     if (path / "manifest.json").is_file():
-        from k3bundle.bundle.weights import BundleWeights
-        from k3bundle.validate.distributed import DistributedDevice
-
-        if ranks == "distributed":
-            return DistributedDevice(path, device=device, nproc=nproc)
         return lambda dtype: BundleWeights(path, dtype=dtype, device=device)
     if (path / "config.json").is_file():
-        if ranks == "distributed":
-            raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
         return lambda dtype: SourceWeights(path, dtype=dtype, device=device, resident=True)
     raise ValidateError(f"{path}: neither a bundle (manifest.json) nor a checkpoint (config.json)")
+
+
+def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None,
+                dumps: str | Path | None = None) -> Device:
+    """The device under test: ``dumps`` (an external runtime), one process per rank
+    (``ranks="distributed"``), or the built-in executor in this process."""
+    path = Path(path)
+    if ranks not in ("merged", "distributed"):
+        raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
+    factory = weights_for(path, device)
+    if dumps is not None:
+        return Dumps(Path(dumps), factory, device)
+    if ranks == "distributed":
+        if not (path / "manifest.json").is_file():
+            raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
+        return Distributed(path, device=device, nproc=nproc)
+    return InProcess(factory, device)

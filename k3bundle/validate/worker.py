@@ -2,8 +2,9 @@
 
 Usage (launched by validate): ``torchrun --nproc_per_node N -m k3bundle.validate.worker
 BUNDLE VALIDATION_DIR OUT_DIR DEVICE``. Every rank runs every case on its own shard of the
-weights; rank 0 writes ``OUT_DIR/CASE.npz`` with the device arrays (``cand/…``) and the
-teacher-forced layer outputs (``outs/…``).
+weights through the same ``devices.device_arrays`` as the in-process device; rank 0 writes
+``OUT_DIR/CASE.npz`` with the device arrays (``cand/…``) and the teacher-forced layer outputs
+(``outs/…``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 from k3bundle.bundle.weights import BundleWeights
+from k3bundle.executor.taps import tap_kind
 from k3bundle.golden.store import read_meta, read_npz, write_npz
-from k3bundle.validate.device import device_case, layer_outputs
+from k3bundle.validate.devices import DEVICE_POLICY, device_arrays
+
+# KDA state taps are per-rank head slices: the axis their heads are on (states carry a leading
+# step or snapshot axis in some arrays, so it is counted from the end)
+HEAD_AXIS = {"kda_state": -3, "kda_conv": -1}
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -26,17 +32,19 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def _gather_heads(cand: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
-    """KDA states are per-rank head slices: join them so rank 0 holds the whole state."""
+def _gather_heads(cand: dict[str, torch.Tensor], world: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Join the per-rank KDA head slices so rank 0 holds whole states. Collectives run on the
+    process group's device (NCCL has no CPU tensors)."""
     out = {}
     for k, v in cand.items():
-        dim = -3 if k.endswith("kda_state") else (-1 if k.endswith("kda_conv") else None)
+        dim = HEAD_AXIS.get(tap_kind(k))
         if dim is None:
             out[k] = v
             continue
+        v = v.to(device).contiguous()
         parts = [torch.empty_like(v) for _ in range(world)]
-        dist.all_gather(parts, v.contiguous())
-        out[k] = torch.cat(parts, dim=dim)
+        dist.all_gather(parts, v)
+        out[k] = torch.cat(parts, dim=dim).cpu()
     return out
 
 
@@ -48,7 +56,7 @@ def main(bundle: str, validation: str, out: str, device: str) -> None:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend)
     try:
-        weights = BundleWeights(bundle, dtype="bfloat16", device=device, rank=rank)
+        weights = BundleWeights(bundle, dtype=DEVICE_POLICY, device=device, rank=rank)
         inputs = read_npz(Path(validation) / "golden_inputs.npz")
         inter = read_npz(Path(validation) / "golden_intermediates.npz")
         for entry in read_meta(inter).get("cases", []):
@@ -56,13 +64,11 @@ def main(bundle: str, validation: str, out: str, device: str) -> None:
                 continue
             name = entry["name"]
             golden = {k[len(name) + 1:]: v for k, v in inter.items() if k.startswith(name + "/")}
-            ids = inputs[f"{name}/ids"]
-            cand = _gather_heads(device_case(weights, golden, ids), weights.world)
-            full = int(golden["positions"].size) == int(ids.size)
-            outs = layer_outputs(weights, golden.get) if full else {}
+            cand, outs = device_arrays(weights, golden, inputs[f"{name}/ids"])
+            cand = _gather_heads(cand, weights.world, weights.device)
             if rank == 0:
                 arrays = {f"cand/{k}": _np(v) for k, v in cand.items()}
-                arrays.update({f"outs/{k}": _np(v) for k, v in outs.items()})
+                arrays.update({f"outs/{k}": _np(v) for k, v in (outs or {}).items()})
                 write_npz(Path(out) / f"{name}.npz", arrays)
         dist.barrier()
     finally:

@@ -1,0 +1,108 @@
+"""One case run: the only place a prompt is prefilled with taps and continued step by step.
+
+``golden`` (greedy, high precision, with chunk snapshots and every expert choice recorded),
+validate's built-in device (teacher-forced on the golden tokens, golden routes replayed; merged
+and every distributed rank) and ``run`` all call ``run_case``, so the ground truth and its
+judge cannot drift apart.
+
+The arrays are named as in the golden files (docs/golden.md), keys relative to the case:
+
+- ``positions``: the tapped prompt positions;
+- every tap (``taps.TAPS``) at those positions: per-position taps [P, ...]; KDA states after
+  the prefill; MLA latent rows at the tapped positions;
+- ``chunk_positions``, ``chunk_states.layers.{l}.kda_state`` [n, H, dk, dv]: KDA states at
+  chunk boundaries (when ``snapshot_at`` is given, even empty);
+- ``routes.layers.{l}.router_ids``: every position's expert choice (``record_routes``), so a
+  device can replay them;
+- ``greedy_tokens`` (the run's own argmax per step), ``step_logits`` [steps, V];
+- ``decode_states.layers.{l}.kda_state|mla_latent``: per decode step, the KDA state or the
+  newest MLA latent row (state drift);
+- ``decode.{tap}``: per-position taps at the decode positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from k3bundle.executor.cache import KDAState, ModelCache
+from k3bundle.executor.model import Executor
+from k3bundle.executor.taps import SPEC, TapRecorder, tap_kind
+
+
+@dataclass
+class CaseRun:
+    arrays: dict[str, torch.Tensor]  # see the module docstring; CPU tensors
+    prefill_logits: torch.Tensor  # [T, V]
+    cache: ModelCache
+
+
+def _state_row(s) -> torch.Tensor:
+    """What drift is measured on after a decode step: the KDA state or the newest MLA latent row."""
+    return s.recurrent_HKV if isinstance(s, KDAState) else s.latent_SC[-1]
+
+
+def _state_kind(s) -> str:
+    return "kda_state" if isinstance(s, KDAState) else "mla_latent"
+
+
+def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
+             tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
+             snapshot_at: Sequence[int] | None = None, record_routes: bool = False) -> CaseRun:
+    """Prefill ``ids`` recording every tap at ``positions``, then decode.
+
+    Args:
+        weights: the ``WeightSource``.
+        positions: prompt positions to tap (sorted).
+        steps: greedy steps (ignored when ``tokens`` is given: one step per token).
+        tokens: teacher-forced decode on these tokens (a reference's greedy continuation).
+        forced_routes: ``{"layers.{l}.router_ids": ids [positions, K]}`` to replay.
+        snapshot_at: chunk-boundary positions at which to keep the KDA states (None: no snapshots).
+        record_routes: record every position's expert choice (``routes.…``).
+    """
+    positions = [int(p) for p in positions]
+    steps = len(tokens) if tokens is not None else steps
+    decode_positions = list(range(len(ids), len(ids) + max(steps - 1, 0)))
+    rec = TapRecorder(positions=positions + decode_positions)
+    recorders = [rec]
+    if record_routes:
+        routes = TapRecorder(names=["layers.*.router_ids"])
+        recorders.append(routes)
+    ex = Executor(weights, taps=recorders, forced_routes=forced_routes)
+    logits_TV, cache = ex.prefill(list(ids), snapshot_at=snapshot_at or ())
+
+    out: dict[str, torch.Tensor] = {"positions": torch.tensor(positions, dtype=torch.long)}
+    for name in rec.names():  # prompt positions, and the states after the prefill
+        spec, value = SPEC[tap_kind(name)], rec[name]
+        if not spec.state:
+            out[name] = value[: len(positions)]
+        elif spec.kind == "mla_latent":
+            out[name] = value[positions]  # latent rows at the tapped positions only
+        else:
+            out[name] = value
+    if snapshot_at is not None:
+        out["chunk_positions"] = torch.tensor(list(snapshot_at), dtype=torch.long)
+        for l in weights.config.text.kda_layers if snapshot_at else ():
+            out[f"chunk_states.layers.{l}.kda_state"] = torch.stack(
+                [cache.snapshots[b].layers[l].recurrent_HKV.cpu() for b in snapshot_at])
+
+    per_step: dict[str, list[torch.Tensor]] = {}
+
+    def keep_states(c: ModelCache) -> None:
+        for l, s in enumerate(c.layers):
+            per_step.setdefault(f"decode_states.layers.{l}.{_state_kind(s)}", []).append(_state_row(s).cpu())
+
+    chosen, step_logits = ex.decode_steps(logits_TV, cache, steps, tokens, keep_states)
+    out["greedy_tokens"] = torch.tensor(chosen, dtype=torch.long)
+    out["step_logits"] = step_logits.detach().cpu()
+    if record_routes:
+        for name in routes.names():  # prompt + decode positions, in position order
+            out[f"routes.{name}"] = routes[name]
+    out.update({k: torch.stack(v) for k, v in per_step.items()})
+    if decode_positions:
+        for name in rec.names():  # per-position taps at decode positions (the device's decode path)
+            if not SPEC[tap_kind(name)].state:
+                out[f"decode.{name}"] = rec[name][len(positions):]
+    return CaseRun(out, logits_TV, cache)

@@ -1,0 +1,114 @@
+"""The devices under test, behind one interface: per case, the candidate's taps and the
+teacher-forced layer outputs. ``validate.run.validate`` only loops over cases and judges.
+
+- ``InProcess``: the built-in executor on a bundle's device weights (every rank merged) or on
+  a source checkpoint, in this process, in the BF16 device policy.
+- ``Distributed`` (``distributed.py``): one ``torch.distributed`` process per TP/EP rank, each
+  running the same ``run_case`` and ``teacher_forced`` on its own shard.
+- ``Dumps``: intermediates an external runtime dumped (docs/dump-format.md); its layer outputs
+  are k3bundle's emulation of each layer in the dump's precision, fed the dump's own inputs.
+
+All three run the executor's one case runner (``executor.case.run_case``) or read what an
+external runtime wrote; none has a layer loop of its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3bundle.executor import Executor, SourceWeights
+from k3bundle.executor.case import run_case
+from k3bundle.validate.dumps import read_dump
+
+DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
+
+
+def as_tensor(a) -> torch.Tensor | None:
+    if a is None or isinstance(a, torch.Tensor):
+        return a
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+@dataclass
+class CaseOutput:
+    """What a device produced for one golden case."""
+
+    cand: dict[str, torch.Tensor]  # free-running taps and steps, named like the golden's
+    layers: dict[str, torch.Tensor] | None  # teacher-forced layer outputs; None = not computed
+    layer_mode: str  # "added" (fed the goldens) or "emulation" (fed a dump's own outputs)
+    layer_ref: Callable[[str], object]  # what the layer outputs are compared with
+    routes_replayed: bool  # the candidate replayed the golden expert choices
+    skipped: str = ""  # why the layer checks did not run
+
+
+def forced_routes(golden: dict) -> dict[str, torch.Tensor]:
+    p = "routes."
+    return {k[len(p):]: as_tensor(v) for k, v in golden.items() if k.startswith(p)}
+
+
+def full_positions(golden: dict, ids: np.ndarray) -> bool:
+    """Teacher-forced layer checks need every position (a layer's input depends on all of them)."""
+    return int(golden["positions"].size) == int(ids.size)
+
+
+def device_arrays(weights, golden: dict, ids: np.ndarray) -> tuple[dict, dict | None]:
+    """The built-in device on one case: the golden run replayed (golden routes, decode fed the
+    golden tokens) and, with every position tapped, every layer fed the golden inputs."""
+    run = run_case(weights, ids.tolist(), golden["positions"].tolist(),
+                   tokens=golden["greedy_tokens"].tolist(), forced_routes=forced_routes(golden))
+    layers = None
+    if full_positions(golden, ids):
+        layers = Executor(weights).teacher_forced(lambda n: as_tensor(golden.get(n)))
+    return run.arrays, layers
+
+
+class Device(ABC):
+    mode = "device"  # "device" (the built-in executor) or "dumps" (an external runtime)
+
+    def __init__(self, name: str):
+        self.name = name  # for the report: cpu, cuda, 2 ranks on cuda, ...
+
+    def prepare(self, validation: Path, cases: list[str]) -> None:
+        """Called once before the cases (a distributed device runs every rank here)."""
+
+    @abstractmethod
+    def case(self, name: str, golden: dict, ids: np.ndarray) -> CaseOutput: ...
+
+
+class InProcess(Device):
+    def __init__(self, weights_for: Callable[[str], object], name: str):
+        super().__init__(name)
+        self.weights = weights_for(DEVICE_POLICY)
+
+    def case(self, name, golden, ids):
+        cand, layers = device_arrays(self.weights, golden, ids)
+        return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
+                          "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+
+
+class Dumps(Device):
+    mode = "dumps"
+
+    def __init__(self, directory: Path, weights_for: Callable[[str], object], name: str):
+        super().__init__(name)
+        self.directory = Path(directory)
+        self.weights_for = weights_for
+        self.reference: dict[str, object] = {}  # emulation weights per dtype policy, made on demand
+
+    def case(self, name, golden, ids):
+        cand = read_dump(self.directory, name, golden)
+        if not full_positions(golden, ids):
+            return CaseOutput(cand, None, "emulation", golden.get, False,
+                              "sampled positions: emulation layer checks need every position")
+        dtype = "bfloat16" if cand["logits"].dtype == torch.bfloat16 else "float32"
+        if dtype not in self.reference:
+            self.reference[dtype] = self.weights_for(dtype)
+        feed = {**cand, "embed": as_tensor(golden["embed"])}
+        layers = Executor(self.reference[dtype]).teacher_forced(feed.get)
+        return CaseOutput(cand, layers, "emulation", feed.get, False)

@@ -1,0 +1,11 @@
+"""validate's errors (exit 2: the run cannot be judged)."""
+
+from k3bundle.errors import K3Error
+
+
+class ValidateError(K3Error):
+    """validate cannot run: missing goldens, bad arguments, a device run that failed."""
+
+
+class DumpError(ValidateError):
+    """A dump directory or file is unusable (missing file or tap, wrong shape, NaN/Inf)."""

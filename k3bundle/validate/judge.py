@@ -1,0 +1,79 @@
+"""Judging one case: free-running (inherited) checks, teacher-forced layer checks, greedy
+agreement and state drift. Which taps are judged how comes from the tap grammar
+(``executor.taps.TAPS``: ``judged``), every limit from the tolerance file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from k3bundle.executor.taps import spec_of, tap_kind
+from k3bundle.golden.tolerances import Tolerances
+from k3bundle.validate import metrics as M
+from k3bundle.validate.compare import TapResult, compare_logits, compare_router, compare_tensor
+from k3bundle.validate.devices import as_tensor
+
+OWN = "own."  # teacher-forced outputs: the layer's own (unforced) expert choice
+NOT_TAPS = ("positions", "greedy_tokens", "chunk_positions")
+
+
+def _judged(name: str) -> str | None:
+    """How a candidate array is judged: its tap kind's ``judged`` (None: not a tap)."""
+    if name in NOT_TAPS or name.startswith(("decode_states.", "routes.", "chunk_states.")):
+        return None
+    spec = spec_of(name)
+    return None if spec is None else spec.judged
+
+
+def inherited_checks(golden: dict, cand: dict, case: str, tol: Tolerances, routers: bool = True) -> list[TapResult]:
+    """Free-running comparisons of every tap the candidate has against the golden, plus the
+    step logits. ``routers=False`` when the candidate replayed the golden routing."""
+    results = []
+    for name in sorted(cand):
+        if name not in golden:
+            continue
+        how = "logits" if name == "step_logits" else _judged(name)
+        ref, x = as_tensor(golden[name]), cand[name]
+        if how == "logits":
+            results.append(compare_logits(case, name, ref, x.to(ref.device), tol))
+        elif how == "tensor":
+            results.append(compare_tensor(case, name, ref, x, tol, "inherited"))
+    for name in sorted(cand):
+        if routers and _judged(name) == "router" and name in golden and not name.startswith("decode."):
+            results.append(compare_router(case, name, as_tensor(golden[name]), cand[name],
+                                          as_tensor(golden.get(_margin_of(name))), tol))
+    return results
+
+
+def _margin_of(router_ids: str) -> str:
+    return router_ids[: -len(tap_kind(router_ids))] + "router_margin"
+
+
+def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object], case: str, tol: Tolerances,
+                 mode: str, margins: Callable[[str], object]) -> list[TapResult]:
+    """Teacher-forced layer outputs against ``ref``: "added" (fed the goldens) or "emulation"
+    (fed a dump's own outputs). Own expert choices are judged as sets with the golden margins."""
+    results = []
+    for name, value in outputs.items():
+        tap = name[len(OWN):] if name.startswith(OWN) else name
+        expected = ref(tap)
+        if expected is None:
+            continue
+        if name.startswith(OWN):
+            results.append(compare_router(case, tap, as_tensor(expected), value,
+                                          as_tensor(margins(_margin_of(tap))), tol))
+        else:
+            results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode))
+    return results
+
+
+def state_drift(golden: dict, cand: dict) -> dict[str, list[float]]:
+    """Per decode step NMSE of each layer's state (KDA recurrent state, newest MLA latent row)."""
+    out = {}
+    for name in sorted(cand):
+        if name.startswith("decode_states.") and name in golden:
+            g, c = as_tensor(golden[name]), cand[name]
+            out[name] = [M.nmse(g[i], c[i]) for i in range(min(g.shape[0], c.shape[0]))]
+    return out
