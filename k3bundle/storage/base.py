@@ -35,7 +35,7 @@ class DevicePart:
     suffix: str | None  # appended to the weight stem; None = the source tensor's own name
     dtype: str
     shape: tuple[int, ...]  # per weight (per expert); stacking adds a leading expert dim
-    source_part: str | None  # the source part it is read from; None = every part (derived formats)
+    source_part: str  # the source part it is read from ("weight", "packed", "scale"); the index names its key
     transform: str  # "copy", "swizzle-128x4", "fp8-e4m3-channel", "nvfp4-from-mxfp4", ...
     rows_per_group: int  # input rows per encoder call: 1, 128 (FP8 blocks), 0 = the whole source tensor
     rows_per_row: int = 1  # input rows per stored row (128 for FP8 block scales)
@@ -53,7 +53,7 @@ class DevicePart:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
 
 
-def block_scale(suffix: str, dtype: str, rows: int, blocks: int, swizzled: bool, source_part: str | None,
+def block_scale(suffix: str, dtype: str, rows: int, blocks: int, swizzled: bool, source_part: str,
                 transform: str, rows_per_group: int) -> DevicePart:
     """A per-row block-scale part [rows, blocks], or its flat 128x4 swizzle (``swizzled``)."""
     if not swizzled:

@@ -25,8 +25,8 @@ class FP8Block128(StorageFormat):
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
         grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
-        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), None, self.name, BLOCK),
-                DevicePart("scale", ".weight_scale", "F32", grid, None, self.name, BLOCK, rows_per_row=BLOCK)]
+        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), "weight", self.name, BLOCK),
+                DevicePart("scale", ".weight_scale", "F32", grid, "weight", self.name, BLOCK, rows_per_row=BLOCK)]
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         """Up to 128 BF16 rows [n, 2C] -> weight [n, C] E4M3 bytes, scale [1, ceil(C/128) * 4]."""

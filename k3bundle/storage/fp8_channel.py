@@ -20,8 +20,8 @@ class FP8Channel(StorageFormat):
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
-        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), None, self.name, 1),
-                DevicePart("scale", ".weight_scale", "F32", (rows,), None, self.name, 1)]
+        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), "weight", self.name, 1),
+                DevicePart("scale", ".weight_scale", "F32", (rows,), "weight", self.name, 1)]
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         """BF16 rows [n, 2C] -> weight [n, C] E4M3 bytes, scale [n, 4] (f32 dequant multiplier)."""

@@ -25,10 +25,10 @@ def mxfp4_parts(shape: tuple[int, ...], swizzled: bool, transform: str, rows_per
     BF16 weight).
     """
     rows, cols = shape
-    packed = DevicePart("packed", SUFFIX["packed"], "U8", (rows, cols // 2), "packed" if pass_through else None,
+    packed = DevicePart("packed", SUFFIX["packed"], "U8", (rows, cols // 2), "packed" if pass_through else "weight",
                         transform, rows_per_group)
     scale = block_scale(SUFFIX["scale"], "U8", rows, cols // mxfp4.BLOCK, swizzled,
-                        "scale" if pass_through else None, transform, rows_per_group)
+                        "scale" if pass_through else "weight", transform, rows_per_group)
     return [packed, scale]
 
 

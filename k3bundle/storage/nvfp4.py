@@ -36,9 +36,10 @@ class NVFP4(StorageFormat):
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
-        return [DevicePart("packed", ".weight_packed", "U8", (rows, cols // 2), None, TRANSFORM, 0),
-                block_scale(".weight_scale", "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, None, TRANSFORM, 0),
-                DevicePart("global_scale", ".weight_global_scale", "F32", (1,), None, TRANSFORM, 0)]
+        # each part reads the whole pair; source_part names the tensor its codes/scales come from
+        return [DevicePart("packed", ".weight_packed", "U8", (rows, cols // 2), "packed", TRANSFORM, 0),
+                block_scale(".weight_scale", "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, "scale", TRANSFORM, 0),
+                DevicePart("global_scale", ".weight_global_scale", "F32", (1,), "packed", TRANSFORM, 0)]
 
     def encode_tensor(self, parts: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[list[int]]]:
         """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32,
