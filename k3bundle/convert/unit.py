@@ -34,7 +34,8 @@ from k3bundle.errors import K3Error
 from k3bundle.io import read_header
 from k3bundle.plan import Plan, Target
 from k3bundle.plan.files import OutFile, shard_files
-from k3bundle.plan.storage import DevicePart, StorageFormat, storage_format
+from k3bundle.plan.storage import DevicePart, storage_format
+from k3bundle.storage import StorageFormat
 from k3bundle.storage.base import source_byte_cols, swizzle_rows
 
 READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
