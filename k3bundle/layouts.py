@@ -27,13 +27,15 @@ import yaml
 
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
-from k3bundle.schema.roles import ROLES, Format, Role
+from k3bundle.schema.roles import ROLES, Role
+from k3bundle.storage import LAYOUT_NAMES
 
 LAYOUT_SCHEMA_VERSION = 1
 
-#: Storage formats a layout may give a role (docs/layouts.md "formats").
-FORMATS = ("source", "bf16", "f32", "mxfp4", "nvfp4", "fp8-e4m3-channel", "fp8-e4m3-block128",
-           "mxfp4-from-bf16")
+#: Storage formats a layout may give a role (docs/layouts.md "formats"): the registry's names.
+FORMATS = tuple(sorted(LAYOUT_NAMES))
+#: The formats that take a ``scale_rule``.
+_SCALE_RULED = tuple(n for n in FORMATS if LAYOUT_NAMES[n].scale_rules)
 SCALE_LAYOUTS = ("row-major", "swizzled-128x4")
 EXPERT_PLACEMENTS = ("contiguous",)
 #: Dimensions whose per-rank size a layout may pad up to a multiple (zero rows / columns).
@@ -95,7 +97,7 @@ class FormatRule:
 
     pattern: str
     format: str
-    scale_rule: str | None = None  # mxfp4-from-bf16 only: floor / rceil / even
+    scale_rule: str | None = None  # formats that take one (mxfp4-from-bf16): floor / rceil / even
 
     def as_yaml(self) -> Any:
         return {"format": self.format, "scale_rule": self.scale_rule} if self.scale_rule else self.format
@@ -303,27 +305,6 @@ def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
     return par
 
 
-_QUANT_FROM_BF16 = ("fp8-e4m3-channel", "fp8-e4m3-block128", "mxfp4-from-bf16")
-
-
-def _format_fits(fmt: str, role: Role) -> str:
-    """Why ``fmt`` cannot store ``role`` ('' when it can)."""
-    stored = role.fmt.value
-    if fmt == "source":
-        return ""
-    if fmt in ("bf16", "f32"):
-        return "" if role.fmt.value == fmt else f"{fmt} keeps a {fmt.upper()} tensor as is, but {role.role} is stored {stored}"
-    if fmt in ("mxfp4", "nvfp4"):
-        return "" if role.fmt is Format.MXFP4 else (
-            f"{fmt} needs an MXFP4 source (routed experts), but {role.role} is stored {stored}"
-            + ("; use mxfp4-from-bf16 to quantize it" if fmt == "mxfp4" else ""))
-    if role.fmt is not Format.BF16:
-        return f"{fmt} quantizes BF16 weights, but {role.role} is stored {stored}"
-    if len(role.shape) != 2 or not role.template.endswith(".weight"):
-        return f"{fmt} quantizes 2-D linear weights, but {role.role} has shape [{', '.join(role.shape)}]"
-    return ""
-
-
 def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
     if data is None:
         return (FormatRule("*", "source"),)
@@ -343,13 +324,14 @@ def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
             p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
             continue
         rule = opts.get("scale_rule")
-        if fmt == "mxfp4-from-bf16":
-            if rule not in mxfp4.SCALE_RULES:
-                p.add("format-name", f"{where}: mxfp4-from-bf16 needs scale_rule, one of "
-                                     f"{', '.join(mxfp4.SCALE_RULES)} (got {rule!r})")
+        choices = LAYOUT_NAMES[fmt].scale_rules
+        if choices:
+            if rule not in choices:
+                p.add("format-name", f"{where}: {fmt} needs scale_rule, one of "
+                                     f"{', '.join(choices)} (got {rule!r})")
                 continue
         elif rule is not None:
-            p.add("format-name", f"{where}: scale_rule applies only to mxfp4-from-bf16, not {fmt}")
+            p.add("format-name", f"{where}: scale_rule applies only to {', '.join(_SCALE_RULED)}, not {fmt}")
         if not isinstance(pattern, str) or not any(fnmatch.fnmatchcase(r.role, pattern) for r in ROLES):
             p.add("format-pattern-unused", f"{where} matches no tensor role (roles look like "
                                            "'kda.q_proj', 'moe.expert.w1'; docs/layouts.md lists them)")
@@ -360,7 +342,7 @@ def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
     probe = Layout("", "", Card("", 1, 1, 1, 1, {}), Parallel(1), out)
     for role in ROLES:
         r = probe.rule_for(role)
-        why = _format_fits(r.format, role)
+        why = LAYOUT_NAMES[r.format].fits(r.format, role)
         if why:
             p.add("format-source-dtype", f"formats[{r.pattern!r}]: {why}")
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from k3bundle.plan import Plan, storage_name
 from k3bundle.schema import Section
+from k3bundle.storage import STORAGE
 
 GRAPH_SCHEMA_VERSION = 1
 GRAPH_NAME = "graph_manifest.json"
@@ -43,15 +44,13 @@ def _ops(plan: Plan, kda: list[int], mla: list[int], moe: list[int]) -> list[dic
     by_fmt: dict[str, set[str]] = {}
     for role, _ in plan.schema.instances():
         name = storage_name(plan.layout.rule_for(role), role)
-        if name != "source":
+        if STORAGE[name].gemm_op:
             by_fmt.setdefault(name, set()).add(role.role)
-    gemm = {"mxfp4": "mxfp4_weight_gemm", "nvfp4": "nvfp4_weight_gemm", "mxfp4-from-bf16": "mxfp4_weight_gemm",
-            "fp8-e4m3-channel": "fp8_e4m3_channel_gemm", "fp8-e4m3-block128": "fp8_e4m3_block128_gemm"}
     for fmt in sorted(by_fmt):
         roles = sorted(by_fmt[fmt])
         grouped = any(r.startswith("moe.expert.") for r in roles)
-        ops.append({"op": gemm[fmt] + ("_grouped" if grouped else ""), "storage": fmt,
-                    "scale_layout": plan.layout.scale_layout if "fp8" not in fmt else "row-major",
+        ops.append({"op": STORAGE[fmt].gemm_op + ("_grouped" if grouped else ""), "storage": fmt,
+                    "scale_layout": plan.layout.scale_layout if STORAGE[fmt].swizzles_scales else "row-major",
                     "roles": roles})
     if plan.config.vision is not None:
         ops.append({"op": "moonvit_rope2d_attention", "spec": "kimi-k3.md §3.9 (V2), 2-D RoPE, theta 10000",

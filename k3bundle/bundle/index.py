@@ -21,6 +21,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.plan import Plan
 from k3bundle.plan.files import DeviceTensor, OutFile, shard_files
 from k3bundle.plan.storage import storage_name
+from k3bundle.schema import Format
 
 INDEX_NAME = "weights.index.json"
 INDEX_SCHEMA_VERSION = 1
@@ -39,13 +40,13 @@ def tensor_entry(plan: Plan, f: OutFile, d: DeviceTensor, offset: int) -> dict:
         rows = [0, schema.dims[t.role.unit]]
     cols = [t.start, t.stop] if t.split == "cols" else ([0, logical[1]] if len(logical) > 1 else None)
     storage = storage_name(t.rule, t.role)
-    src_part = dp.source_part or {"nvfp4": "scale" if dp.part == "scale" else "packed"}.get(storage, "weight")
+    src_part = dp.source_part
     src: dict = {"file": f.shard, "logical_shape": logical, "rows": rows, "cols": cols}
     if t.split == "rows" and t.pad:
         src["pad_rows"] = t.pad
     if t.split == "cols" and t.pad:
         src["pad_cols"] = t.pad
-    mx_source = storage in ("mxfp4", "nvfp4")
+    mx_source = t.role.fmt is Format.MXFP4  # read from the release's MXFP4 pair: the scale is named too
     suffixes = {"packed": ".weight_packed", "scale": ".weight_scale"}
     if d.stacked:
         src["key_template"] = schema.expert_name_template(t.role, t.layer, suffixes[src_part])

@@ -28,11 +28,10 @@ from k3bundle.bundle.common import BundleError
 from k3bundle.bundle.index import read_index
 from k3bundle.config import load_config
 from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy
-from k3bundle.formats import fp8, mxfp4, nvfp4
-from k3bundle.formats.scale_swizzle import unswizzle
 from k3bundle.io import SafetensorsFile
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
+from k3bundle.storage import STORAGE
 
 
 class _Files:
@@ -58,24 +57,10 @@ class _Files:
 
 def _decode(parts: dict[str, torch.Tensor], entry: dict, out_dtype: torch.dtype) -> torch.Tensor:
     """One (rank, role instance[, expert]) slice back to logical values, padding included."""
-    storage = entry["storage"]
-    if storage == "source":
-        return parts["weight"]
-    if storage in ("mxfp4", "nvfp4", "mxfp4-from-bf16"):
-        packed = parts["packed"]
-        rows, cols = packed.shape[-2], packed.shape[-1] * 2
-        block = nvfp4.BLOCK if storage == "nvfp4" else mxfp4.BLOCK
-        scale = parts["scale"]
-        if scale.ndim == 1 or scale.shape[-1] != cols // block:  # swizzled-128x4: a flat permutation
-            scale = unswizzle(scale.reshape(-1), rows, cols // block)
-        if storage == "nvfp4":
-            return nvfp4.dequantize(packed, scale.view(torch.uint8), parts["global_scale"].reshape(()), out_dtype)
-        return mxfp4.dequantize(packed, scale.view(torch.uint8), out_dtype)
-    if storage == "fp8-e4m3-channel":
-        return fp8.dequantize_channel(parts["weight"], parts["scale"], out_dtype)
-    if storage == "fp8-e4m3-block128":
-        return fp8.dequantize_block(parts["weight"], parts["scale"], out_dtype)
-    raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {storage!r}")
+    fmt = STORAGE.get(entry["storage"])
+    if fmt is None:
+        raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {entry['storage']!r}")
+    return fmt.decode(parts, out_dtype)
 
 
 def _unpad(t: torch.Tensor, src: dict) -> torch.Tensor:

@@ -38,6 +38,7 @@ from k3bundle.checklist.quantity import Quantity, flops
 from k3bundle.executor.kda import CHUNK
 from k3bundle.plan import Plan, storage_name
 from k3bundle.schema import Role, Scope, Section
+from k3bundle.storage import STORAGE
 
 #: Peak to use for a GEMM by weight storage: the storage's own key if the layout lists it, else the
 #: next key down in precision (a card without the format runs it no faster than that).
@@ -47,8 +48,6 @@ PEAK_CHAINS: dict[str, tuple[str, ...]] = {
     "mxfp4": ("mxfp4", "fp4", "nvfp4", "fp6", "fp8", "int8", "bf16", "fp16", "tf32", "fp32"),
     "nvfp4": ("nvfp4", "fp4", "mxfp4", "fp6", "fp8", "int8", "bf16", "fp16", "tf32", "fp32"),
 }
-_BUCKET = {"source": "bf16", "mxfp4": "mxfp4", "mxfp4-from-bf16": "mxfp4", "nvfp4": "nvfp4",
-           "fp8-e4m3-channel": "fp8", "fp8-e4m3-block128": "fp8"}
 
 # (row key, label, layer type whose count multiplies it)
 ROWS = (
@@ -144,7 +143,7 @@ class _Model:
             name = storage_name(lay.rule_for(role), role)
             if role.scope is Scope.EXPERT:
                 self.expert_format = name
-            bucket = _BUCKET[name]
+            bucket = STORAGE[name].peak_bucket
             mult = self.k if role.scope is Scope.EXPERT else 1
             self.gemm[row][bucket] = self.gemm[row].get(bucket, 0.0) + 2.0 * out * inp * mult
             self.roles[row].append(f"{role.role.split('.', 1)[-1]} {out}×{inp}")

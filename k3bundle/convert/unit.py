@@ -30,14 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.convert import encode
 from k3bundle.errors import K3Error
-from k3bundle.formats import mxfp4, nvfp4
 from k3bundle.io import read_header
-from k3bundle.io.dtypes import dtype_bits
 from k3bundle.plan import Plan, Target
 from k3bundle.plan.files import OutFile, shard_files
-from k3bundle.plan.storage import DevicePart, storage_name
+from k3bundle.plan.storage import DevicePart, storage_format
+from k3bundle.storage import StorageFormat
+from k3bundle.storage.base import source_byte_cols, swizzle_rows
 
 READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
 READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
@@ -65,8 +64,11 @@ class Sink:
     cols: tuple[int, int] | None  # source logical columns taken (row-parallel), None = all
 
     @property
-    def storage(self) -> str:
-        return storage_name(self.target.rule, self.target.role)
+    def storage(self) -> StorageFormat:
+        return storage_format(self.target.rule, self.target.role)
+
+    def part(self, name: str) -> DevicePart:
+        return next(p for p in self.parts if p.part == name)
 
 
 @dataclass
@@ -76,6 +78,10 @@ class Group:
     names: dict[str, str]  # source part -> tensor name
     dtype: str  # stored dtype of the "weight" part (BF16/F32) or U8
     sinks: list[Sink] = field(default_factory=list)
+
+    @property
+    def storage(self) -> StorageFormat:
+        return self.sinks[0].storage
 
 
 @dataclass
@@ -133,28 +139,28 @@ def build_unit(plan: Plan, shard: str, expected_sha256: str | None = None) -> Un
 # Worker side
 
 
-def _col_bytes(part: str, cols: tuple[int, int], dtype: str) -> tuple[int, int]:
-    """Byte columns of a stored part holding logical columns ``cols``."""
-    c, d = cols
-    if part == "packed":
-        return c // 2, d // 2
-    if part == "scale":
-        return c // mxfp4.BLOCK, d // mxfp4.BLOCK
-    s = dtype_bits(dtype) // 8
-    return c * s, d * s
-
-
-def _row_bytes(dp: DevicePart) -> int:
-    return dp.nbytes // dp.shape[0] if dp.shape and dp.shape[0] else 0
+def _pad_cols(rows: np.ndarray, width: int) -> np.ndarray:
+    """Append zero bytes to each row up to ``width`` bytes (no copy when already that wide)."""
+    if rows.shape[1] == width:
+        return rows
+    out = np.zeros((rows.shape[0], width), dtype=np.uint8)
+    out[:, : rows.shape[1]] = rows
+    return out
 
 
 class _Writer:
-    """Dispatches source blocks to sinks and writes device bytes at planned offsets."""
+    """Feeds source blocks to each sink's storage format and writes device bytes at planned offsets.
+
+    Row formats get a sink's rows (and columns) of a source part, grouped by the parts'
+    ``rows_per_group``; whole-tensor formats get every part of the whole source tensor once.
+    What the format returns is placed row by row; a swizzled scale is collected over the
+    sink's rows and written once, swizzled.
+    """
 
     def __init__(self, fds: list[int], paths: list[str]):
         self.fds, self.paths = fds, paths
-        self.pending: dict[tuple[int, str], list] = {}  # (sink id, part) -> buffered rows
-        self.nvfp4: dict[int, dict[str, np.ndarray]] = {}  # group id -> source parts
+        self.pending: dict[tuple, list] = {}  # (kind, sink id, part) -> buffered rows
+        self.whole: dict[int, dict[str, np.ndarray]] = {}  # group id -> source parts read so far
         self.requantized: list[dict] = []
 
     def put(self, sink: Sink, part: str, rel: int, data: np.ndarray) -> None:
@@ -168,112 +174,68 @@ class _Writer:
         except OSError as e:
             raise _disk_error(e, self.paths[fi]) from None
 
-    # ---- pass-through (source tensors and MXFP4 pairs) ----
-    def direct(self, sink: Sink, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
-        x0, x1 = max(r0, sink.row_lo), min(r0 + len(block), sink.row_hi)
-        if x0 >= x1:
-            return
-        dp = next(p for p in sink.parts if p.source_part == part)
-        rows = block[x0 - r0: x1 - r0]
-        if dp.transform == "swizzle-128x4":
-            width = sink.shape[1] // mxfp4.BLOCK
-        else:
-            width = _row_bytes(dp)
-        if sink.cols is not None:
-            cb0, cb1 = _col_bytes(part, sink.cols, dtype)
-            rows = encode.pad_cols(rows[:, cb0:cb1], width)
-        if dp.transform == "swizzle-128x4":
-            self._collect(sink, dp.part, rows, x1 == sink.row_hi,
-                          lambda all_rows: self.put(sink, dp.part, 0, encode.swizzle_rows(all_rows)))
-        else:
-            self.put(sink, dp.part, (x0 - sink.row_lo) * width, rows)
-
-    def _collect(self, sink: Sink, part: str, rows: np.ndarray, last: bool, flush) -> None:
-        key = (id(sink), part)
-        buf = self.pending.setdefault(key, [])
-        buf.append(rows)
-        if last:
-            del self.pending[key]
-            flush(np.concatenate(buf) if len(buf) > 1 else buf[0])
-
-    # ---- quantization of BF16 slices (FP8, MXFP4 from BF16) ----
-    def derived(self, sink: Sink, r0: int, block: np.ndarray) -> None:
+    # ---- row formats: a sink's rows of one source part, in groups ----
+    def rows(self, sink: Sink, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
         x0, x1 = max(r0, sink.row_lo), min(r0 + len(block), sink.row_hi)
         if x0 >= x1:
             return
         rows = block[x0 - r0: x1 - r0]
         if sink.cols is not None:
-            rows = rows[:, 2 * sink.cols[0]: 2 * sink.cols[1]]
+            b0, b1 = source_byte_cols(part, sink.cols, dtype)
+            rows = rows[:, b0:b1]
         g = sink.parts[0].rows_per_group
-        rel = x0 - sink.row_lo
+        rel, last = x0 - sink.row_lo, x1 == sink.row_hi
         if g == 1:
-            self._encode(sink, rel, rows, x1 == sink.row_hi)
+            self._encode(sink, part, rel, rows, last)
             return
-        key = (id(sink), "rows")
+        key = ("rows", id(sink), part)
         start, buf = self.pending.get(key, (rel, []))
         buf.append(rows)
-        have = sum(len(b) for b in buf)
-        last = x1 == sink.row_hi
-        if have >= g or last:
-            rows = np.concatenate(buf) if len(buf) > 1 else buf[0]
-            n_full = len(rows) if last else (len(rows) // g) * g
-            for i in range(0, n_full, g):
-                self._encode(sink, start + i, rows[i: i + g], last and i + g >= n_full)
-            rest = rows[n_full:]
-            if len(rest):
-                self.pending[key] = (start + n_full, [rest])
-            else:
-                self.pending.pop(key, None)
-        else:
+        if sum(len(b) for b in buf) < g and not last:
             self.pending[key] = (start, buf)
-
-    def _encode(self, sink: Sink, rel: int, rows: np.ndarray, last: bool) -> None:
-        name, parts = sink.storage, {p.part: p for p in sink.parts}
-        cols = sink.shape[1]
-        if name == "fp8-e4m3-channel":
-            out = encode.fp8_channel(rows)
-            self.put(sink, "weight", rel * cols, encode.pad_cols(out["weight"], cols))
-            self.put(sink, "scale", rel * 4, out["scale"])
-        elif name == "fp8-e4m3-block128":
-            out = encode.fp8_block(rows)
-            width = parts["scale"].shape[1] * 4
-            self.put(sink, "weight", rel * cols, encode.pad_cols(out["weight"], cols))
-            self.put(sink, "scale", (rel // 128) * width, encode.pad_cols(out["scale"], width))
-        elif name == "mxfp4-from-bf16":
-            out = encode.mxfp4_from_bf16(rows, sink.target.rule.scale_rule)
-            self.put(sink, "packed", rel * (cols // 2), encode.pad_cols(out["packed"], cols // 2))
-            scale = encode.pad_cols(out["scale"], cols // mxfp4.BLOCK)
-            if "swizzle" in parts["scale"].transform:
-                self._collect(sink, "scale", scale, last,
-                              lambda all_rows: self.put(sink, "scale", 0, encode.swizzle_rows(all_rows)))
-            else:
-                self.put(sink, "scale", rel * (cols // mxfp4.BLOCK), scale)
-        else:  # pragma: no cover - storage_name only returns the names handled here
-            raise AssertionError(name)
-
-    # ---- MXFP4 -> NVFP4: whole expert tensor, then every rank's slice ----
-    def nvfp4_part(self, group: Group, part: str, block: np.ndarray) -> None:
-        have = self.nvfp4.setdefault(id(group), {})
-        have[part] = block
-        if len(have) < 2:
             return
-        del self.nvfp4[id(group)]
-        out, bad = encode.nvfp4_from_mxfp4(have["packed"], have["scale"])
-        if bad:
-            self.requantized.append({"source_key": group.names["packed"], "blocks": bad})
+        rows = np.concatenate(buf) if len(buf) > 1 else buf[0]
+        n_full = len(rows) if last else (len(rows) // g) * g
+        for i in range(0, n_full, g):
+            self._encode(sink, part, start + i, rows[i: i + g], last and i + g >= n_full)
+        rest = rows[n_full:]
+        if len(rest):
+            self.pending[key] = (start + n_full, [rest])
+        else:
+            self.pending.pop(key, None)
+
+    def _encode(self, sink: Sink, part: str, rel: int, rows: np.ndarray, last: bool) -> None:
+        self._place(sink, rel, sink.storage.encode(part, rows, sink.target.rule.scale_rule), last)
+
+    # ---- whole-tensor formats: every part of the source tensor, then every sink's slice ----
+    def tensor_part(self, group: Group, part: str, block: np.ndarray) -> None:
+        have = self.whole.setdefault(id(group), {})
+        have[part] = block
+        if len(have) < len(group.names):
+            return
+        del self.whole[id(group)]
+        fmt = group.storage
+        out, requantized = fmt.encode_tensor(have)
+        if requantized:
+            self.requantized.append({"source_key": group.names[fmt.requantized_part], "blocks": requantized})
         for sink in group.sinks:
-            rows = slice(sink.row_lo, sink.row_hi)
-            cols = sink.shape[1]
-            packed, scale = out["packed"][rows], out["scale"][rows]
-            if sink.cols is not None:
-                c, d = sink.cols
-                packed = packed[:, c // 2: d // 2]
-                scale = scale[:, c // nvfp4.BLOCK: d // nvfp4.BLOCK]
-            self.put(sink, "packed", 0, encode.pad_cols(packed, cols // 2))
-            scale = encode.pad_cols(scale, cols // nvfp4.BLOCK)
-            swizzled = "swizzle" in next(p for p in sink.parts if p.part == "scale").transform
-            self.put(sink, "scale", 0, encode.swizzle_rows(scale) if swizzled else scale)
-            self.put(sink, "global_scale", 0, out["global_scale"])
+            self._place(sink, 0, fmt.slice_tensor(out, (sink.row_lo, sink.row_hi), sink.cols), last=True)
+
+    # ---- placement ----
+    def _place(self, sink: Sink, rel: int, out: dict[str, np.ndarray], last: bool) -> None:
+        """Write encoded rows starting at input row ``rel`` of the sink's slice, padded to full width."""
+        for name, rows in out.items():
+            dp = sink.part(name)
+            rows = _pad_cols(rows, dp.row_bytes)
+            if not dp.swizzled_cols:
+                self.put(sink, name, (rel // dp.rows_per_row) * dp.row_bytes, rows)
+                continue
+            key = ("swizzle", id(sink), name)
+            buf = self.pending.setdefault(key, [])
+            buf.append(rows)
+            if last:
+                del self.pending[key]
+                self.put(sink, name, 0, swizzle_rows(np.concatenate(buf) if len(buf) > 1 else buf[0]))
 
 
 def _pread_into(fd: int, buf: np.ndarray, offset: int, path: Path) -> None:
@@ -391,7 +353,7 @@ def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> st
                 continue
             rows = info.shape[0] if info.shape else 1
             row_bytes = info.nbytes // rows if rows else 0
-            if info.nbytes <= READ_WHOLE or (hit and storage_name_of(hit[0]) == "nvfp4"):
+            if info.nbytes <= READ_WHOLE or (hit and hit[0].storage.whole_tensor):
                 step = rows
             else:
                 step = max(1, READ_BLOCK // max(row_bytes, 1))
@@ -416,17 +378,9 @@ def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> st
     return hasher.hexdigest()
 
 
-def storage_name_of(group: Group) -> str:
-    return group.sinks[0].storage
-
-
 def _dispatch(writer: _Writer, group: Group, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
-    name = storage_name_of(group)
-    if name == "nvfp4":
-        writer.nvfp4_part(group, part, block)
-    elif name in ("source", "mxfp4"):
-        for sink in group.sinks:
-            writer.direct(sink, part, dtype, r0, block)
+    if group.storage.whole_tensor:
+        writer.tensor_part(group, part, block)
     else:
         for sink in group.sinks:
-            writer.derived(sink, r0, block)
+            writer.rows(sink, part, dtype, r0, block)

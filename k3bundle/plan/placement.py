@@ -27,7 +27,7 @@ from functools import cached_property
 from k3bundle.config import K3Config
 from k3bundle.formats import mxfp4
 from k3bundle.layouts import FormatRule, Layout, LayoutError
-from k3bundle.plan.storage import DevicePart, device_parts, storage_name
+from k3bundle.plan.storage import DevicePart, device_parts, storage_format
 from k3bundle.schema import RELEASE_PREFIX, TP, Role, Schema, Scope, Section, TensorSpec
 
 # unit -> (rule name, what the unit counts, config field), for the TP divisibility rules
@@ -40,7 +40,6 @@ _UNIT_RULES = {
     "V": ("tp-divides-vocab", "the vocabulary V", "text_config.vocab_size"),
 }
 _LAST_STAGE_ROLES = ("lm_head", "final_norm", "out_res.norm", "out_res.proj")
-_MXFP4_FAMILY = ("mxfp4", "nvfp4", "mxfp4-from-bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,25 +356,27 @@ def _check_blocks(plan: Plan, problems: _Problems) -> None:
     """Block alignment of every slice stored in a block format (one check per role, not per target)."""
     seen = set()
     for t in plan.targets:
-        name = storage_name(t.rule, t.role)
+        fmt = storage_format(t.rule, t.role)
+        name = fmt.name
         key = (t.role.role, name, t.split, t.stop - t.start, t.pad)
         if key in seen:
             continue
         seen.add(key)
-        if name not in _MXFP4_FAMILY:
+        block = fmt.column_block
+        if not block:
             continue
         cols = plan.slice_shape(t)[1]
-        if t.split == "cols" and (t.stop - t.start) % mxfp4.BLOCK:
+        if t.split == "cols" and (t.stop - t.start) % block:
             problems.add("mxfp4-slice-on-block",
                          f"{t.role.role}: a TP slice of {t.stop - t.start} columns is not whole "
-                         f"{mxfp4.BLOCK}-element MXFP4 blocks")
-        elif t.split == "cols" and t.pad % mxfp4.BLOCK:
+                         f"{block}-element blocks of {name}")
+        elif t.split == "cols" and t.pad % block:
             problems.add("padding-mxfp4-block",
                          f"{t.role.role}: padding of {t.pad} columns per rank (padding.{t.role.unit}) is not whole "
-                         f"{mxfp4.BLOCK}-element MXFP4 blocks")
-        elif cols % mxfp4.BLOCK:
+                         f"{block}-element blocks of {name}")
+        elif cols % block:
             problems.add("mxfp4-slice-on-block",
-                         f"{t.role.role}: {name} needs whole {mxfp4.BLOCK}-element blocks, but the slice has "
+                         f"{t.role.role}: {name} needs whole {block}-element blocks, but the slice has "
                          f"{cols} columns")
 
 

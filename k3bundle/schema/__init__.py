@@ -22,7 +22,7 @@ from k3bundle.errors import SchemaError
 from k3bundle.schema.roles import (
     MXFP4_PARTS, ROLE_BY_NAME, ROLES, STORED_DTYPE, TP, Format, Role, Scope, Section, dimensions,
 )
-from k3bundle.schema.roles import DEVICE_PARTS, STACKED_EXPERT_TEMPLATES  # noqa: F401 (re-exported)
+from k3bundle.schema.roles import STACKED_EXPERT_TEMPLATES  # noqa: F401 (re-exported)
 
 __all__ = ["Schema", "TensorSpec", "Totals", "Role", "Scope", "Format", "TP", "Section", "ROLES",
            "ROLE_BY_NAME", "DTYPE_BYTES", "RELEASE_PREFIX"]
@@ -244,7 +244,7 @@ class Schema:
                     stacked: bool = False) -> str:
         """Name of a device tensor derived from ``role``: its weight stem + ``suffix``.
 
-        ``suffix`` comes from ``roles.DEVICE_PARTS`` or ``roles.MXFP4_PARTS`` (e.g.
+        ``suffix`` comes from a storage format's device parts (``k3bundle.storage``, e.g.
         ``.weight_scale``). ``stacked`` names a rank's stacked experts of one layer
         (``roles.STACKED_EXPERT_TEMPLATES``); then ``expert`` must be None.
         """

@@ -194,7 +194,8 @@ def dimensions(text: TextConfig, vision: VisionConfig | None) -> dict[str, int]:
     return dims
 
 
-# --- device-side names (k3bundle plan/convert; docs/bundle-format.md "Bundle files") ---
+# --- device-side names (k3bundle plan/convert; docs/bundle-format.md "Bundle files"); the
+# tensors each storage format writes are declared by its module in ``k3bundle.storage`` ---
 
 # Stacked per-rank routed-expert tensors (layouts with ``stack_experts: true``): one tensor per
 # projection and MoE layer holds a rank's experts along a new leading dim, so the stem drops the
@@ -203,16 +204,4 @@ STACKED_EXPERT_TEMPLATES: dict[str, str] = {
     "moe.expert.w1": M + "experts.w1",
     "moe.expert.w2": M + "experts.w2",
     "moe.expert.w3": M + "experts.w3",
-}
-
-# Device storage formats that change a weight's stored tensors: per logical weight, the tensors
-# written as (part, suffix after the weight stem, safetensors dtype). Names follow
-# compressed-tensors (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``); every scale
-# is stored as the DEQUANT multiplier (docs/formats.md). Formats not listed keep the source names.
-DEVICE_PARTS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "mxfp4": MXFP4_PARTS,  # E2M1 codes + E8M0 scale per 32 (pass-through or from BF16)
-    "nvfp4": (("packed", ".weight_packed", "U8"), ("scale", ".weight_scale", "F8_E4M3"),
-              ("global_scale", ".weight_global_scale", "F32")),  # E4M3 scale per 16 + f32 global
-    "fp8-e4m3-channel": (("weight", ".weight", "F8_E4M3"), ("scale", ".weight_scale", "F32")),
-    "fp8-e4m3-block128": (("weight", ".weight", "F8_E4M3"), ("scale", ".weight_scale", "F32")),
 }

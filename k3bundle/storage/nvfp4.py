@@ -1,0 +1,69 @@
+"""``nvfp4``: the release's MXFP4 routed experts transcoded to NVFP4.
+
+E2M1 codes, an E4M3 scale per 16 (row-major or swizzled 128x4) and one f32 global scale per
+tensor, all dequantization multipliers (docs/formats.md). The global scale is a property of the
+whole source tensor, so the transcode (``nvfp4.from_mxfp4``) sees the whole expert tensor and
+every rank slices the result: all ranks of an expert share one global scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from k3bundle.formats import mxfp4, nvfp4
+from k3bundle.schema import Format, Role
+from k3bundle.storage.base import DevicePart, StorageFormat, block_scale, row_major_scale, u8
+
+TRANSFORM = "nvfp4-from-mxfp4"
+
+
+class NVFP4(StorageFormat):
+    name = "nvfp4"
+    layout_names = ("nvfp4",)
+    column_block = mxfp4.BLOCK  # slices of the MXFP4 source
+    whole_tensor = True
+    requantized_part = "packed"
+    gemm_op = "nvfp4_weight_gemm"
+    peak_bucket = "nvfp4"
+    swizzles_scales = True
+
+    def fits(self, layout_name: str, role: Role) -> str:
+        if role.fmt is Format.MXFP4:
+            return ""
+        return (f"{layout_name} needs an MXFP4 source (routed experts), but {role.role} is stored "
+                f"{role.fmt.value}")
+
+    def parts(self, shape, swizzled, source_dtype, scale_rule):
+        rows, cols = shape
+        # each part reads the whole pair; source_part names the tensor its codes/scales come from
+        return [DevicePart("packed", ".weight_packed", "U8", (rows, cols // 2), "packed", TRANSFORM, 0),
+                block_scale(".weight_scale", "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, "scale", TRANSFORM, 0),
+                DevicePart("global_scale", ".weight_global_scale", "F32", (1,), "packed", TRANSFORM, 0)]
+
+    def encode_tensor(self, parts: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[list[int]]]:
+        """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32,
+        and the re-quantized 32-blocks as ``[row, block]`` pairs (empty when lossless)."""
+        p16, s16, g, bad = nvfp4.from_mxfp4(torch.from_numpy(np.ascontiguousarray(parts["packed"])),
+                                            torch.from_numpy(np.ascontiguousarray(parts["scale"])))
+        blocks = [[int(r), int(b)] for r, b in bad.nonzero().tolist()] if bool(bad.any()) else []
+        return {"packed": p16.numpy(), "scale": s16.numpy(),
+                "global_scale": u8(g.reshape(1).to(torch.float32))}, blocks
+
+    def slice_tensor(self, parts, rows, cols):
+        r = slice(*rows)
+        packed, scale = parts["packed"][r], parts["scale"][r]
+        if cols is not None:
+            c, d = cols
+            packed = packed[:, c // 2: d // 2]
+            scale = scale[:, c // nvfp4.BLOCK: d // nvfp4.BLOCK]
+        return {"packed": packed, "scale": scale, "global_scale": parts["global_scale"]}
+
+    def decode(self, parts, out_dtype):
+        packed = parts["packed"]
+        rows, cols = packed.shape[-2], packed.shape[-1] * 2
+        scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK)
+        return nvfp4.dequantize(packed, scale.view(torch.uint8), parts["global_scale"].reshape(()), out_dtype)
+
+
+FORMAT = NVFP4()
