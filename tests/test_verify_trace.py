@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3bundle.bundle.common import BundleError
+from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.trace import trace
 from k3bundle.bundle.verify import verify
 from k3bundle.formats import fp8

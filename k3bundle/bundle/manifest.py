@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from k3bundle import __version__
-from k3bundle.bundle.common import BundleError, read_json, sha256_file
+from k3bundle.bundle.common import read_json
+from k3bundle.bundle.errors import BundleError
+from k3bundle.io.files import sha256_file
 from k3bundle.plan import Plan
 
 if TYPE_CHECKING:  # convert imports this module

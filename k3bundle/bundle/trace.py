@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from k3bundle.bundle.common import BundleError
+from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import INDEX_NAME, read_index
 from k3bundle.formats import mxfp4, nvfp4
 from k3bundle.formats.scale_swizzle import TILE_COLS, TILE_ROWS

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.bundle.common import json_bytes, sha256_file
+from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
@@ -40,6 +40,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.formats.scale_swizzle import unswizzle
 from k3bundle.io import SafetensorsFile, read_header
 from k3bundle.io.dtypes import dtype_bits
+from k3bundle.io.files import sha256_file
 from k3bundle.plan.storage import EXACT_TRANSFORMS
 
 CHUNK = 64 << 20

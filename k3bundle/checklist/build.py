@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3bundle.bundle.common import write_atomic
+from k3bundle.io.files import write_atomic
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.checklist.capacity import Capacity, capacity
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
@@ -153,9 +153,8 @@ def save_checklist(cl: Checklist, out: str | Path) -> tuple[Path, Path]:
         raise ChecklistError(f"{out}: name the Markdown file (e.g. checklist.md); the JSON is written beside it")
     out.parent.mkdir(parents=True, exist_ok=True)
     js = out.with_suffix(".json")
-    write_atomic(out, to_markdown(cl).encode("utf-8"), fsync=False)
-    write_atomic(js, (json.dumps(cl.to_dict(), indent=2, sort_keys=True, default=str) + "\n").encode("utf-8"),
-                 fsync=False)
+    write_atomic(out, to_markdown(cl))
+    write_atomic(js, json.dumps(cl.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
     return out, js
 
 

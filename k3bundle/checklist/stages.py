@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from k3bundle.bundle.common import BundleError, read_json
+from k3bundle.bundle.common import read_json
+from k3bundle.bundle.errors import BundleError
 from k3bundle.checklist import faults as F
 
 GOLDEN_FILES = ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml")

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from k3bundle.bundle.common import sha256_file
+from k3bundle.io.files import sha256_file
 from k3bundle.convert.unit import ConvertError, UnitResult
 
 JOURNAL = ".k3bundle-convert.journal"

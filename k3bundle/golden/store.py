@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from k3bundle.bundle.common import write_atomic
+from k3bundle.io.files import write_atomic
 from k3bundle.errors import K3Error
 
 META_KEY = "__meta__"

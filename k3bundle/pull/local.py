@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from k3bundle.io.files import is_temp_of
 from k3bundle.pull.download import Context, Hasher, Wanted, finish_part, hash_into, prepare_target
 from k3bundle.pull.errors import PullError
 from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, SOURCE_JSON, STATE_FILE, check_name, selected
@@ -66,7 +67,7 @@ def list_local(src: str | Path, include: Sequence[str] = (), exclude: Sequence[s
             path = d / name
             if (rel == "" and name == ".git") or (rel == ".cache" and name == "huggingface"):
                 continue
-            if rel == "" and (name == STATE_FILE or name.startswith(f".{SOURCE_JSON}.tmp-")
+            if rel == "" and (name == STATE_FILE or is_temp_of(name, SOURCE_JSON)
                               or (name == SOURCE_JSON and is_ours(path))):
                 continue
             if k3_out and (name.endswith(PART_SUFFIX) or name.endswith(BAD_SUFFIX)):
