@@ -35,7 +35,7 @@ class DemoResult:
 
 def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
              say: Callable[[DemoStep], None] | None = None) -> DemoResult:
-    from k3bundle.bundle.verify import verify
+    from k3bundle.check.verify import verify
     from k3bundle.convert import convert
     from k3bundle.errors import K3Error
     from k3bundle.golden.generate import generate_goldens

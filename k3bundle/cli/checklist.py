@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from k3bundle.checklist import DEFAULT_BATCH, DEFAULT_CONTEXT, make_checklist, to_markdown
-from k3bundle.checklist.build import ChecklistError, save_checklist
+from k3bundle.checklist import ChecklistError, save_checklist
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
 
 EXAMPLES = [

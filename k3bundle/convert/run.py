@@ -33,14 +33,16 @@ from k3bundle import __version__
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, write_index
-from k3bundle.bundle.manifest import MANIFEST_NAME, build_manifest
+from k3bundle.bundle.manifest import MANIFEST_NAME
+from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal
+from k3bundle.convert.manifest import build_manifest
 from k3bundle.convert.sources import SourceFiles
-from k3bundle.convert.unit import TMP_SUFFIX, ConvertError, UnitResult, build_unit, run_unit
+from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, run_unit
 from k3bundle.io import INDEX_NAME as SOURCE_INDEX
 from k3bundle.io.files import sha256_file, write_atomic
-from k3bundle.layouts import Layout, load_layout
-from k3bundle.plan import Plan, make_plan
+from k3bundle.layouts import load_layout
+from k3bundle.plan import Plan, plan_for_source
 from k3bundle.plan.files import DEVICE_DIR, shard_files
 from k3bundle.source import SourceCheckpoint
 
@@ -63,12 +65,6 @@ class ConvertResult:
     seconds: float
     nvfp4_requantized_blocks: int
     manifest_sha256: str
-
-
-def plan_for_source(src: SourceCheckpoint, layout: Layout) -> Plan:
-    """The plan of a checked source checkpoint under ``layout`` (its real shard map)."""
-    weight_map = src.index.weight_map
-    return make_plan(src.config, layout, shard_of=lambda spec: weight_map[spec.name], prefix=src.schema.prefix)
 
 
 def plan_id(plan: Plan, files: SourceFiles) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from k3bundle.convert import encode
-from k3bundle.errors import K3Error
+from k3bundle.convert.errors import ConvertError
 from k3bundle.formats import mxfp4, nvfp4
 from k3bundle.io import read_header
 from k3bundle.io.dtypes import dtype_bits
@@ -45,10 +45,6 @@ READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
 READ_AHEAD = 256 << 20  # kept requested from the kernel (posix_fadvise WILLNEED) ahead of the reader
 TMP_SUFFIX = ".k3tmp"
 THROTTLE_ENV = "K3BUNDLE_CONVERT_THROTTLE_S"  # test hook: sleep per unit before renaming outputs
-
-
-class ConvertError(K3Error):
-    """A conversion cannot proceed: bad source bytes, a full disk, an unusable output directory."""
 
 
 @dataclass
@@ -339,10 +335,10 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
             time.sleep(throttle)
         outputs = []
         for f, tmp in zip(work.files, tmps):
-            sha, size = sha256_file(tmp)
-            if size != f.size:
-                raise OSError(errno.EIO, f"{tmp}: {size} bytes on disk, {f.size} written")
-            outputs.append((f.path, sha, f.size))
+            out_sha, out_size = sha256_file(tmp)
+            if out_size != f.size:
+                raise OSError(errno.EIO, f"{tmp}: {out_size} bytes on disk, {f.size} written")
+            outputs.append((f.path, out_sha, f.size))
         for f, fd, tmp in zip(work.files, fds, tmps):
             publish(fd, tmp, out / f.path)
         for fd in fds:
