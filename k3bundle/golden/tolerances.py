@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 
 TAP_KINDS = ("embed", "attn_res_out", "mixer_out", "ffn_res_out", "ffn_out", "router_weights",
@@ -65,8 +66,7 @@ class Tolerances:
 
 
 def tolerance_dirs() -> list[Path]:
-    here = Path(__file__).resolve()
-    return [d for d in (here.parents[2] / "tolerances", here.parents[1] / "_data" / "tolerances") if d.is_dir()]
+    return data_dirs("tolerances")
 
 
 def tolerance_path(name: str) -> Path:

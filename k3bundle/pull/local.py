@@ -23,6 +23,7 @@ from pathlib import Path
 from k3bundle.io.files import is_temp_of
 from k3bundle.pull.download import Context, Hasher, Wanted, finish_part, hash_into, prepare_target
 from k3bundle.pull.errors import PullError
+from k3bundle.pull.hub import license_of
 from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, SOURCE_JSON, STATE_FILE, check_name, selected
 from k3bundle.pull.record import FileEntry, is_ours
 from k3bundle.pull.state import stat_key
@@ -146,8 +147,6 @@ def copy_file(w: Wanted, ctx: Context) -> FileEntry:
 
 def local_license(root: Path) -> str | None:
     """``license`` from README.md's YAML front matter (parsed as data with ``yaml.safe_load``)."""
-    from k3bundle.pull.hub import license_of
-
     readme = root / "README.md"
     try:
         text = readme.read_text(encoding="utf-8")
