@@ -337,7 +337,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         for f, tmp in zip(work.files, tmps):
             out_sha, out_size = sha256_file(tmp)
             if out_size != f.size:
-                raise OSError(errno.EIO, f"{tmp}: {out_size} bytes on disk, {f.size} written")
+                raise OSError(errno.EIO, f"{tmp}: {out_size} bytes on disk, {f.size} planned")
             outputs.append((f.path, out_sha, f.size))
         for f, fd, tmp in zip(work.files, fds, tmps):
             publish(fd, tmp, out / f.path)
