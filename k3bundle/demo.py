@@ -15,6 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3bundle.check.verify import verify
+from k3bundle.checklist import write_checklist
+from k3bundle.convert import convert
+from k3bundle.errors import K3Error
+from k3bundle.golden.generate import generate_goldens
+from k3bundle.plan.report import plan_from
+from k3bundle.pull import pull
+from k3bundle.synth import write_synthetic
+from k3bundle.validate.report import write_reports
+from k3bundle.validate.run import validate
+from k3bundle.validate.sources import open_device
+
 TARGET = "b300-tp8"
 
 
@@ -35,17 +47,6 @@ class DemoResult:
 
 def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
              say: Callable[[DemoStep], None] | None = None) -> DemoResult:
-    from k3bundle.bundle.verify import verify
-    from k3bundle.convert import convert
-    from k3bundle.errors import K3Error
-    from k3bundle.golden.generate import generate_goldens
-    from k3bundle.plan.report import plan_from
-    from k3bundle.pull import pull
-    from k3bundle.synth import write_synthetic
-    from k3bundle.validate.report import write_reports
-    from k3bundle.validate.run import validate
-    from k3bundle.validate.sources import open_device
-
     out = Path(out)
     if out.exists():
         if not force and any(out.iterdir()):
@@ -86,11 +87,6 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
         return ("PASS" if rep.passed else "FAIL") + f" ({files[1].name})"
 
     step("validate", bundle / "reports" / "signoff.md", _validate)
-    try:
-        from k3bundle.checklist import write_checklist  # noqa: F401  (present once the command exists)
-    except ImportError:
-        pass
-    else:
-        step("checklist", bundle / "reports" / "checklist.md",
-             lambda: write_checklist(TARGET, bundle=bundle, out=bundle / "reports" / "checklist.md"))
+    step("checklist", bundle / "reports" / "checklist.md",
+         lambda: write_checklist(TARGET, bundle=bundle, out=bundle / "reports" / "checklist.md"))
     return res

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
 from k3bundle.schema.roles import ROLES, Role
@@ -42,8 +43,6 @@ EXPERT_PLACEMENTS = ("contiguous",)
 PADDABLE_DIMS = ("V", "I", "S", "Ie")
 PEAK_FLOPS_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp6", "fp4", "mxfp4", "nvfp4")
 
-_REPO_LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
-_WHEEL_LAYOUTS = Path(__file__).resolve().parent / "_data" / "layouts"
 
 
 class LayoutError(K3Error):
@@ -411,7 +410,7 @@ def parse_layout(data: Any, source: str = "layout") -> Layout:
 
 def layout_dirs() -> list[Path]:
     """Where named layouts are looked up, in order (repository root first)."""
-    return [d for d in (_REPO_LAYOUTS, _WHEEL_LAYOUTS) if d.is_dir()]
+    return data_dirs("layouts")
 
 
 def layout_names() -> list[str]:

@@ -36,10 +36,6 @@ NUM_SPECIAL = 256
 #: Mergeable ranks that are single bytes: every byte must be a token.
 NUM_BYTE_TOKENS = 256
 
-#: Full K3 sizes (spec §4.1): 163,584 mergeable ranks + 256 specials.
-K3_NUM_MERGEABLE = 163_584
-K3_VOCAB_SIZE = K3_NUM_MERGEABLE + NUM_SPECIAL  # 163,840
-
 
 class NamedSpecial(NamedTuple):
     """One named special token: its text, its slot counted from the vocabulary's end, and
@@ -137,14 +133,6 @@ def special_tokens(vocab_size: int) -> dict[str, int]:
     base = num_mergeable(vocab_size)
     by_id = {vocab_size - s.offset_from_end: s.name for s in NAMED_SPECIALS}
     return {by_id.get(i, reserved_name(i)): i for i in range(base, vocab_size)}
-
-
-def special_id(name: str, vocab_size: int) -> int:
-    """The id of one special token (named or reserved) in a vocabulary of ``vocab_size``."""
-    table = special_tokens(vocab_size)
-    if name not in table:
-        raise K3Error(f"{name!r} is not a special token of a {vocab_size}-token vocabulary")
-    return table[name]
 
 
 def _check_table() -> None:

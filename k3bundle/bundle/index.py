@@ -12,12 +12,13 @@ scales. The file is written streaming (full K3 has tens of thousands of entries)
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from k3bundle.bundle.common import BundleError, read_json
+from k3bundle.bundle.common import read_json
+from k3bundle.bundle.errors import BundleError
 from k3bundle.formats import mxfp4
+from k3bundle.io.files import atomic_output
 from k3bundle.plan import Plan
 from k3bundle.plan.files import DeviceTensor, OutFile, shard_files
 from k3bundle.plan.storage import storage_name
@@ -86,23 +87,21 @@ def iter_entries(plan: Plan, files: Iterable[OutFile]) -> Iterator[dict]:
 
 
 def write_index(path: str | Path, plan: Plan, source_files: dict[str, dict]) -> tuple[int, int]:
-    """Write ``weights.index.json`` (temp + rename); return (entries, bytes)."""
+    """Write ``weights.index.json`` atomically, streaming its entries; return (entries, bytes)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     files = sorted((f for shard in plan.shards for f in shard_files(plan, shard)),
                    key=lambda f: (f.rank, f.path))
     head = {"schema_version": INDEX_SCHEMA_VERSION, "kind": "k3bundle.weights_index",
             "target": plan.layout.name, "world": len(plan.ranks),
             "source_files": {k: source_files[k] for k in sorted(source_files)}}
     n = 0
-    with open(tmp, "w", encoding="utf-8", newline="\n") as out:
+    with atomic_output(path) as out:
         text = _dumps(head)
-        out.write(text[:-1] + ',"tensors":[\n')
+        out.write((text[:-1] + ',"tensors":[\n').encode("utf-8"))
         for entry in iter_entries(plan, files):
-            out.write(("" if n == 0 else ",\n") + _dumps(entry))
+            out.write((("" if n == 0 else ",\n") + _dumps(entry)).encode("utf-8"))
             n += 1
-        out.write("\n]}\n")
-    os.replace(tmp, path)
+        out.write(b"\n]}\n")
     return n, path.stat().st_size
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from k3bundle.bundle.common import BundleError
+from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import read_index
 from k3bundle.config import load_config
 from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy

@@ -32,7 +32,8 @@ from k3bundle.chat.render import (
     render_text,
     reorder_tool_results,
 )
-from k3bundle.chat.types import ChatError, Delta, ParsedMessage, Segment, ToolCall
+from k3bundle.chat.errors import ChatError
+from k3bundle.chat.types import Delta, ParsedMessage, Segment, ToolCall
 
 __all__ = [
     "THINKING_EFFORTS",

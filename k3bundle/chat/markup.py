@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from k3bundle import tokenizer_specials as ts
-from k3bundle.chat.types import ChatError, Segment
+from k3bundle.chat.errors import ChatError
+from k3bundle.chat.types import Segment
 
 OPEN = ts.OPEN
 CLOSE = ts.CLOSE

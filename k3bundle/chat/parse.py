@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3bundle.chat import markup as mk
-from k3bundle.chat.types import ChatError, Delta, ParsedMessage, ToolCall
+from k3bundle.chat.errors import ChatError
+from k3bundle.chat.types import Delta, ParsedMessage, ToolCall
 
 _ATTR = re.compile(r'\s*([^\s="]+)="([^"]*)"')
 _TEXT_CHANNELS = {"think": "reasoning", "response": "content", "argument": None, "json": None}

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from k3bundle.chat import markup as mk
-from k3bundle.chat.types import ChatError, Segment
+from k3bundle.chat.errors import ChatError
+from k3bundle.chat.types import Segment
 
 #: Accepted ``thinking_effort`` values (release encoder; spec §6.3 notes ports that
 #: accept only low/high/max).

@@ -9,12 +9,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from k3bundle.errors import K3Error
-
-
-class ChatError(K3Error, ValueError):
-    """A conversation cannot be rendered as asked (bad role, arguments, option)."""
-
 
 @dataclass(frozen=True)
 class Segment:

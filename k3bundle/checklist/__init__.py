@@ -4,17 +4,17 @@
 capacity (``capacity.py``), roofline lower bounds (``roofline.py``), kernel coverage
 (``kernels.py``), fault paths and soak (``faults.py``) and the sign-off stages, each ticked only
 from evidence (``stages.py``). ``render.to_markdown`` prints it for people, ``Checklist.to_dict``
-for machines; ``write_checklist`` writes both. docs/bring-up.md explains every number.
+for machines; ``write.write_checklist`` writes both. docs/bring-up.md explains every number.
 """
 
-from k3bundle.checklist.build import (
-    CHECKLIST_KIND, DEFAULT_BATCH, DEFAULT_CONTEXT, Checklist, ChecklistError, make_checklist, write_checklist,
-)
+from k3bundle.checklist.build import CHECKLIST_KIND, DEFAULT_BATCH, DEFAULT_CONTEXT, Checklist, make_checklist
 from k3bundle.checklist.capacity import CAPACITY_MARGIN, Capacity, capacity
+from k3bundle.checklist.errors import ChecklistError
 from k3bundle.checklist.render import to_markdown
 from k3bundle.checklist.roofline import Roofline, roofline
 from k3bundle.checklist.stages import REQUIRED_CASE_KINDS, Stage
+from k3bundle.checklist.write import save_checklist, write_checklist
 
 __all__ = ["CAPACITY_MARGIN", "CHECKLIST_KIND", "Capacity", "Checklist", "ChecklistError", "DEFAULT_BATCH",
            "DEFAULT_CONTEXT", "REQUIRED_CASE_KINDS", "Roofline", "Stage", "capacity", "make_checklist", "roofline",
-           "to_markdown", "write_checklist"]
+           "save_checklist", "to_markdown", "write_checklist"]

@@ -6,15 +6,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3bundle.bundle.common import write_atomic
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
+from k3bundle.check.verify import verify
 from k3bundle.checklist.capacity import Capacity, capacity
+from k3bundle.checklist.errors import ChecklistError
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.kernels import Kernel, kernel_coverage
 from k3bundle.checklist.roofline import Roofline, roofline
 from k3bundle.checklist.stages import Stage, evaluate_stages
 from k3bundle.config import load_config, release_config_path
-from k3bundle.errors import K3Error
 from k3bundle.layouts import load_layout
 from k3bundle.plan import Plan, make_plan
 
@@ -22,10 +22,6 @@ CHECKLIST_SCHEMA_VERSION = 1
 CHECKLIST_KIND = "k3bundle.checklist"
 DEFAULT_CONTEXT = 131_072  # tokens per request: a long-context request (K3 serves up to 1,048,576)
 DEFAULT_BATCH = 1
-
-
-class ChecklistError(K3Error):
-    """The checklist cannot be made as asked (flags, a bundle for another target)."""
 
 
 @dataclass
@@ -136,36 +132,7 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         r = roofline(plan, manifest, n, b)
         return r.decode.bound.value, r.prefill.bound.value
 
-    from k3bundle.bundle.verify import verify
-
     stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify)
     model = str(cfg_path) if config is not None or bdir is not None else f"released Kimi K3 config ({cfg_path.name})"
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
                      kernel_coverage(plan, manifest), stages)
-
-
-def save_checklist(cl: Checklist, out: str | Path) -> tuple[Path, Path]:
-    """Write ``cl`` as Markdown to ``out`` and as JSON beside it (``out`` with suffix ``.json``)."""
-    from k3bundle.checklist.render import to_markdown
-
-    out = Path(out)
-    if out.suffix == ".json":
-        raise ChecklistError(f"{out}: name the Markdown file (e.g. checklist.md); the JSON is written beside it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    js = out.with_suffix(".json")
-    write_atomic(out, to_markdown(cl).encode("utf-8"), fsync=False)
-    write_atomic(js, (json.dumps(cl.to_dict(), indent=2, sort_keys=True, default=str) + "\n").encode("utf-8"),
-                 fsync=False)
-    return out, js
-
-
-def write_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
-                    context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH,
-                    out: str | Path | None = None) -> str:
-    """Make the checklist; with ``out``, write it (``save_checklist``). Returns ``Checklist.summary()``."""
-    if out is not None and Path(out).suffix == ".json":
-        raise ChecklistError(f"{out}: name the Markdown file (e.g. checklist.md); the JSON is written beside it")
-    cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch)
-    if out is not None:
-        save_checklist(cl, out)
-    return cl.summary()

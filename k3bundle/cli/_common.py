@@ -1,4 +1,4 @@
-"""Shared pieces of the CLI: option aliases, the output object, progress bars."""
+"""Shared pieces of the CLI: option aliases, the output object, the exit helper, progress bars."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable JSON summary on stdout.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A released-style config.json (no weights needed).")]
-OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 
 
 class Output:
@@ -30,6 +29,15 @@ class Output:
     def info(self, text: str) -> None:
         if not self.json_mode:
             sys.stderr.write(text + "\n")
+
+
+def exit_with(code: int) -> None:
+    """End a command with exit status ``code`` (0 returns). Bad input is not this: a ``K3Error``
+    raised from a command is printed as one line and exits with its own code (``cli.app.main``).
+
+    ``SystemExit``, not ``typer.Exit``: click swallows ``typer.Exit`` when not standalone."""
+    if code:
+        raise SystemExit(code)
 
 
 @contextmanager

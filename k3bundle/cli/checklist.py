@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from k3bundle.checklist import DEFAULT_BATCH, DEFAULT_CONTEXT, make_checklist, to_markdown
-from k3bundle.checklist.build import ChecklistError, save_checklist
-from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
+from k3bundle.checklist import ChecklistError, save_checklist
+from k3bundle.cli._common import ConfigOpt, JsonOpt, Output, exit_with
 
 EXAMPLES = [
     "k3bundle checklist --target b300-tp8",
@@ -44,8 +44,7 @@ def checklist(
         md, js = save_checklist(cl, out)
         o.info(f"wrote {md} and {js}")
         o.result(cl.summary(), cl.to_dict())
-    if not cl.passed:
-        raise SystemExit(1)  # not typer.Exit: click swallows it when not standalone
+    exit_with(0 if cl.passed else 1)
 
 
 __all__ = ["checklist", "EXAMPLES"]

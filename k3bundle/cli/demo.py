@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from k3bundle.cli._common import JsonOpt, Output
+from k3bundle.cli._common import JsonOpt, Output, exit_with
 
 EXAMPLES = ["k3bundle demo", "k3bundle demo --out /tmp/k3-demo --force"]
 
@@ -32,4 +31,4 @@ def demo(
     o.result(f"demo {'PASSED' if r.passed else 'FAILED'} in {total:.1f} s; everything is under {r.out}",
              {"out": str(r.out), "passed": r.passed, "seconds": round(total, 2),
               "steps": [s.__dict__ for s in r.steps]})
-    sys.exit(0 if r.passed else 1)
+    exit_with(0 if r.passed else 1)

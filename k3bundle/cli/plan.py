@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
+from k3bundle.cli._common import ConfigOpt, JsonOpt, Output, exit_with
 from k3bundle.plan.report import plan_from, plan_text
 
 EXAMPLES = [
@@ -50,12 +50,10 @@ def plan(
                 key = s.get("key") or f"{s['key_template']} for experts {s['experts'][0]}..{s['experts'][1] - 1}"
                 sys.stdout.write(f"{e['rank']}\t{e['file']}\t{e['key']}\t{e['dtype']}\t{e['shape']}\t"
                                  f"{s['file']}:{key}\trows {s['rows']} cols {s['cols']}\t{e['transform']}\n")
-            if not summary["fits"]:
-                raise SystemExit(1)  # not typer.Exit: click swallows it when not standalone
+            exit_with(0 if summary["fits"] else 1)
             return
     out.result(plan_text(p, summary), summary)
-    if not summary["fits"]:
-        raise SystemExit(1)  # not typer.Exit: click swallows it when not standalone
+    exit_with(0 if summary["fits"] else 1)
 
 
 __all__ = ["plan", "EXAMPLES"]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from k3bundle.cli._common import JsonOpt, Output, progress_bar
+from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
 from k3bundle.validate.report import to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.sources import open_device
@@ -49,4 +48,4 @@ def validate(
         lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
     lines.append("reports: " + ", ".join(str(f) for f in files))
     Output(json_).result("\n".join(lines), {**to_json(rep), "reports": [str(f) for f in files]})
-    sys.exit(rep.exit_code)
+    exit_with(rep.exit_code)

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from k3bundle.bundle.verify import verify as run_verify
-from k3bundle.cli._common import JsonOpt, Output, progress_bar
+from k3bundle.check.verify import verify as run_verify
+from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
 
 EXAMPLES = [
     "k3bundle verify /bundles/k3-b300",
@@ -39,5 +39,4 @@ def verify(
                                 "source_checked": r.source_checked, "source_files": r.source_files,
                                 "rederived_files": r.rederived_files, "reassembled_tensors": r.reassembled_tensors,
                                 "reassembled_slices": r.reassembled_slices, "problems": r.problems})
-    if not r.ok:
-        raise SystemExit(1)  # not typer.Exit: click swallows it when not standalone
+    exit_with(0 if r.ok else 1)

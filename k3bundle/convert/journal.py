@@ -16,8 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from k3bundle.bundle.common import sha256_file
-from k3bundle.convert.unit import ConvertError, UnitResult
+from k3bundle.io.files import sha256_file
+from k3bundle.convert.errors import ConvertError
+from k3bundle.convert.unit import UnitResult
 
 JOURNAL = ".k3bundle-convert.journal"
 

@@ -30,16 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3bundle import __version__
-from k3bundle.bundle.common import json_bytes, sha256_file, write_atomic
+from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, write_index
-from k3bundle.bundle.manifest import MANIFEST_NAME, build_manifest
+from k3bundle.bundle.manifest import MANIFEST_NAME
+from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal
+from k3bundle.convert.manifest import build_manifest
 from k3bundle.convert.sources import SourceFiles
-from k3bundle.convert.unit import TMP_SUFFIX, ConvertError, UnitResult, build_unit, run_unit
+from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, run_unit
 from k3bundle.io import INDEX_NAME as SOURCE_INDEX
-from k3bundle.layouts import Layout, load_layout
-from k3bundle.plan import Plan, make_plan
+from k3bundle.io.files import sha256_file, write_atomic
+from k3bundle.layouts import load_layout
+from k3bundle.plan import Plan, plan_for_source
 from k3bundle.plan.files import DEVICE_DIR, shard_files
 from k3bundle.source import SourceCheckpoint
 
@@ -62,12 +65,6 @@ class ConvertResult:
     seconds: float
     nvfp4_requantized_blocks: int
     manifest_sha256: str
-
-
-def plan_for_source(src: SourceCheckpoint, layout: Layout) -> Plan:
-    """The plan of a checked source checkpoint under ``layout`` (its real shard map)."""
-    weight_map = src.index.weight_map
-    return make_plan(src.config, layout, shard_of=lambda spec: weight_map[spec.name], prefix=src.schema.prefix)
 
 
 def plan_id(plan: Plan, files: SourceFiles) -> str:
@@ -240,17 +237,17 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
             bundle_files[path] = (sha, size)
     for c in files.copies:
         (out / c.dest).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / c.dest, files.read_small(c.source), fsync=False)
+        write_atomic(out / c.dest, files.read_small(c.source))
         bundle_files[c.dest] = files.small_digest(c.source)
     layout_bytes = plan.layout.to_yaml()
     (out / DEVICE_DIR).mkdir(exist_ok=True)
-    write_atomic(out / LAYOUT_PATH, layout_bytes, fsync=False)
+    write_atomic(out / LAYOUT_PATH, layout_bytes)
     bundle_files[LAYOUT_PATH] = (hashlib.sha256(layout_bytes).hexdigest(), len(layout_bytes))
     shard_digests = {s: {"sha256": results[s].sha256, "size": results[s].size} for s in plan.shards}
     write_index(out / INDEX_NAME, plan, shard_digests)
     bundle_files[INDEX_NAME] = sha256_file(out / INDEX_NAME)
     graph = json_bytes(graph_manifest(plan))
-    write_atomic(out / GRAPH_NAME, graph, fsync=False)
+    write_atomic(out / GRAPH_NAME, graph)
     bundle_files[GRAPH_NAME] = (hashlib.sha256(graph).hexdigest(), len(graph))
 
     source_hashes = {s: (d["sha256"], d["size"]) for s, d in shard_digests.items()}

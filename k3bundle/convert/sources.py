@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3bundle.convert.unit import ConvertError
+from k3bundle.convert.errors import ConvertError
 
 SOURCE_JSON = "source.json"
 

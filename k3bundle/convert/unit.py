@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.errors import K3Error
+from k3bundle.convert.errors import ConvertError
 from k3bundle.io import read_header
+from k3bundle.io.files import discard, publish, sha256_file
 from k3bundle.plan import Plan, Target
 from k3bundle.plan.files import OutFile, shard_files
 from k3bundle.plan.storage import DevicePart, storage_format
@@ -40,14 +41,9 @@ from k3bundle.storage.base import source_byte_cols, swizzle_rows
 
 READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
 READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
-HASH_CHUNK = 16 << 20
 READ_AHEAD = 256 << 20  # kept requested from the kernel (posix_fadvise WILLNEED) ahead of the reader
 TMP_SUFFIX = ".k3tmp"
 THROTTLE_ENV = "K3BUNDLE_CONVERT_THROTTLE_S"  # test hook: sleep per unit before renaming outputs
-
-
-class ConvertError(K3Error):
-    """A conversion cannot proceed: bad source bytes, a full disk, an unusable output directory."""
 
 
 @dataclass
@@ -250,18 +246,6 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int, path: Path) -> None:
         done += got
 
 
-def _hash_file(fd: int, size: int) -> str:
-    h, buf, off = hashlib.sha256(), bytearray(min(HASH_CHUNK, max(size, 1))), 0
-    view = memoryview(buf)
-    while off < size:
-        n = os.preadv(fd, [view[: min(len(buf), size - off)]], off)
-        if n == 0:
-            raise OSError(errno.EIO, "short read while hashing")
-        h.update(view[:n])
-        off += n
-    return h.hexdigest()
-
-
 def _disk_error(e: OSError, path: str) -> ConvertError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ConvertError(f"{path}: {os.strerror(e.errno)} while writing the bundle; free space (or raise "
@@ -312,13 +296,16 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         if throttle:
             time.sleep(throttle)
         outputs = []
+        for f, tmp in zip(work.files, tmps):
+            out_sha, out_size = sha256_file(tmp)
+            if out_size != f.size:
+                raise OSError(errno.EIO, f"{tmp}: {out_size} bytes on disk, {f.size} planned")
+            outputs.append((f.path, out_sha, f.size))
         for f, fd, tmp in zip(work.files, fds, tmps):
-            outputs.append((f.path, _hash_file(fd, f.size), f.size))
+            publish(fd, tmp, out / f.path)
         for fd in fds:
             os.close(fd)
         fds.clear()
-        for f, tmp in zip(work.files, tmps):
-            os.replace(tmp, out / f.path)
         tmps.clear()
         return UnitResult(work.shard, sha, header.file_size, st.st_mtime_ns, outputs, writer.requantized)
     except OSError as e:  # reads raise ConvertError themselves; this is the output side
@@ -327,10 +314,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         for fd in fds:
             os.close(fd)
         for tmp in tmps:
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
+            discard(tmp)
 
 
 def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> str:

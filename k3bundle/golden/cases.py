@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from k3bundle.chat import render_ids
+from k3bundle.data_dirs import data_dirs
 from k3bundle.golden.errors import CaseError
 
 KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
@@ -155,10 +156,8 @@ def load_case(path: str | Path) -> Case:
 
 def default_cases_dir() -> Path:
     """``golden/cases`` in a source checkout, else the copy inside the installed package."""
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "golden" / "cases", here.parents[1] / "_data" / "golden" / "cases"):
-        if cand.is_dir():
-            return cand
+    for d in data_dirs("golden/cases"):
+        return d
     raise CaseError("no golden/cases directory found; pass --cases DIR")
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from k3bundle.bundle.common import write_atomic
 from k3bundle.golden.errors import GoldenFileError
+from k3bundle.io.files import write_atomic
 
 META_KEY = "__meta__"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from k3bundle.golden.errors import ToleranceError
+from k3bundle.data_dirs import data_dirs
 from k3bundle.executor.taps import JUDGED_KINDS, tap_kind
+from k3bundle.golden.errors import ToleranceError
 
 #: every metric a limit can be set on, and whether the limit is its "max" or its "min"
 METRICS = {
@@ -61,8 +62,7 @@ class Tolerances:
 
 
 def tolerance_dirs() -> list[Path]:
-    here = Path(__file__).resolve()
-    return [d for d in (here.parents[2] / "tolerances", here.parents[1] / "_data" / "tolerances") if d.is_dir()]
+    return data_dirs("tolerances")
 
 
 def tolerance_path(name: str) -> Path:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from typing import Mapping, Union
 
 from k3bundle.errors import SafetensorsError
+from k3bundle.io.files import write_atomic
 from k3bundle.io.reader import SafetensorsHeader, read_header
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -215,17 +215,5 @@ def write_index(
             raise SafetensorsError(f"{path}: weight_map['{key}'] = {shard!r} {why}")
     doc = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    tmp = os.path.join(os.path.dirname(path), f".{index_name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, text)
     return path

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
@@ -35,6 +34,7 @@ import torch
 
 from k3bundle.errors import SafetensorsError
 from k3bundle.io.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, tensor_nbytes
+from k3bundle.io.files import atomic_output
 
 #: Slice size when writing a torch tensor's bytes.
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -198,20 +198,6 @@ def _check_metadata(path: str, metadata: Optional[Mapping[str, str]]) -> None:
             )
 
 
-def fsync_dir(directory) -> None:
-    """Make a rename in ``directory`` durable (best effort: some filesystems cannot fsync a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_all(f: Any, path: str, header: bytes, planned: list[_Planned]) -> tuple[str, int]:
     digest, size = hashlib.sha256(), 0
 
@@ -270,20 +256,6 @@ def write_safetensors(
     _check_metadata(final, metadata)
     planned = _plan(final, tensors, chunk_bytes)
     header = build_header(planned, metadata)
-    directory, base = os.path.split(os.path.abspath(final))
-    tmp = os.path.join(directory, f".{base}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            sha, size = _write_all(f, final, header, planned)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
+    with atomic_output(final) as f:
+        sha, size = _write_all(f, final, header, planned)
     return WrittenFile(final, sha, size)

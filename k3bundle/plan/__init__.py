@@ -5,8 +5,8 @@ storage format), per-rank bytes against the card, and the rules a layout breaks
 (``LayoutError``). ``k3bundle.plan.files`` turns a plan into the bundle's files.
 """
 
-from k3bundle.plan.placement import GROUPS, Plan, RankInfo, Target, make_plan, role_group
+from k3bundle.plan.placement import GROUPS, Plan, RankInfo, Target, make_plan, plan_for_source, role_group
 from k3bundle.plan.storage import EXACT_TRANSFORMS, DevicePart, device_parts, storage_name
 
 __all__ = ["DevicePart", "EXACT_TRANSFORMS", "GROUPS", "Plan", "RankInfo", "Target", "device_parts",
-           "make_plan", "role_group", "storage_name"]
+           "make_plan", "plan_for_source", "role_group", "storage_name"]

@@ -29,6 +29,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.layouts import FormatRule, Layout, LayoutError
 from k3bundle.plan.storage import DevicePart, device_parts, storage_format
 from k3bundle.schema import RELEASE_PREFIX, TP, Role, Schema, Scope, Section, TensorSpec
+from k3bundle.source import SourceCheckpoint
 
 # unit -> (rule name, what the unit counts, config field), for the TP divisibility rules
 _UNIT_RULES = {
@@ -383,3 +384,9 @@ def _check_blocks(plan: Plan, problems: _Problems) -> None:
 def _raise(layout: Layout, problems: _Problems) -> None:
     text = "; ".join(f"[{r}] {m}" for r, m in problems)
     raise LayoutError(f"layout {layout.name}: {text}", [r for r, _ in problems])
+
+
+def plan_for_source(src: SourceCheckpoint, layout: Layout) -> Plan:
+    """The plan of a checked source checkpoint under ``layout`` (its real shard map)."""
+    weight_map = src.index.weight_map
+    return make_plan(src.config, layout, shard_of=lambda spec: weight_map[spec.name], prefix=src.schema.prefix)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from k3bundle.config import load_config
 from k3bundle.layouts import load_layout
-from k3bundle.plan.placement import Plan, make_plan
+from k3bundle.plan.placement import Plan, make_plan, plan_for_source
+from k3bundle.source import SourceCheckpoint
+from k3bundle.synth import preset_config
 
 
 def plan_from(target: str, source: Path | None = None, config: Path | None = None,
@@ -14,15 +16,10 @@ def plan_from(target: str, source: Path | None = None, config: Path | None = Non
     """The plan of ``target`` for a checkpoint directory, a config.json or a built-in preset."""
     layout = load_layout(target)
     if source is not None:
-        from k3bundle.convert.run import plan_for_source
-        from k3bundle.source import SourceCheckpoint
-
         with SourceCheckpoint(source) as src:
             return plan_for_source(src, layout)
     if config is not None:
         return make_plan(load_config(config), layout)
-    from k3bundle.synth import preset_config
-
     return make_plan(preset_config(preset), layout)
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from k3bundle.pull.errors import PullError
-from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX
+from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, target_path
 from k3bundle.pull.record import FileEntry
 from k3bundle.pull.state import PullState, Verified, stat_key
 
@@ -383,8 +383,6 @@ class _Transfer:
 
 def prepare_target(w: Wanted, ctx: Context) -> tuple[Path, Path, FileEntry | None]:
     """(final path, its in-flight ``.part`` path, the entry of a file already there and kept)."""
-    from k3bundle.pull.paths import target_path
-
     final = target_path(ctx.out, w.path)
     kept = keep_existing(w, final, ctx)
     part = final.with_name(final.name + PART_SUFFIX)

@@ -20,8 +20,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from k3bundle.io.files import is_temp_of
 from k3bundle.pull.download import Context, Hasher, Wanted, finish_part, hash_into, prepare_target
 from k3bundle.pull.errors import PullError
+from k3bundle.pull.hub import license_of
 from k3bundle.pull.paths import BAD_SUFFIX, PART_SUFFIX, SOURCE_JSON, STATE_FILE, check_name, selected
 from k3bundle.pull.record import FileEntry, is_ours
 from k3bundle.pull.state import stat_key
@@ -66,7 +68,7 @@ def list_local(src: str | Path, include: Sequence[str] = (), exclude: Sequence[s
             path = d / name
             if (rel == "" and name == ".git") or (rel == ".cache" and name == "huggingface"):
                 continue
-            if rel == "" and (name == STATE_FILE or name.startswith(f".{SOURCE_JSON}.tmp-")
+            if rel == "" and (name == STATE_FILE or is_temp_of(name, SOURCE_JSON)
                               or (name == SOURCE_JSON and is_ours(path))):
                 continue
             if k3_out and (name.endswith(PART_SUFFIX) or name.endswith(BAD_SUFFIX)):
@@ -145,8 +147,6 @@ def copy_file(w: Wanted, ctx: Context) -> FileEntry:
 
 def local_license(root: Path) -> str | None:
     """``license`` from README.md's YAML front matter (parsed as data with ``yaml.safe_load``)."""
-    from k3bundle.pull.hub import license_of
-
     readme = root / "README.md"
     try:
         text = readme.read_text(encoding="utf-8")

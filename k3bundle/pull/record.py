@@ -16,13 +16,12 @@ rename), after every listed file has been verified.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k3bundle import __version__
-from k3bundle.io.writer import fsync_dir
+from k3bundle.io.files import write_atomic
 from k3bundle.pull.errors import PullError
 from k3bundle.pull.paths import SOURCE_JSON, check_name
 
@@ -81,19 +80,8 @@ def write_source(directory: str | Path, record: SourceRecord) -> Path:
     """Write ``directory/source.json`` atomically; return its path."""
     directory = Path(directory)
     path = directory / SOURCE_JSON
-    atomic_write_text(path, record.to_json())
+    write_atomic(path, record.to_json())
     return path
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same folder, fsync, rename over ``path``, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_source(path: str | Path) -> SourceRecord:

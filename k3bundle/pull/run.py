@@ -15,7 +15,8 @@ from k3bundle.pull.errors import PullError
 from k3bundle.pull.hub import list_hub
 from k3bundle.pull.local import copy_file, hash_in_place, list_local, local_license
 from k3bundle.pull.paths import SOURCE_JSON, check_collisions, check_name, selected, target_path
-from k3bundle.pull.record import SourceRecord, fsync_dir, is_ours, write_source
+from k3bundle.io.files import fsync_dir
+from k3bundle.pull.record import SourceRecord, is_ours, write_source
 from k3bundle.pull.state import PullState
 
 

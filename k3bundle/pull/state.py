@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3bundle.pull.paths import STATE_FILE
-from k3bundle.pull.record import atomic_write_text
+from k3bundle.io.files import write_atomic
 
 STATE_VERSION = 1
 
@@ -68,4 +68,4 @@ class PullState:
 
     def _save(self) -> None:
         d = {"version": STATE_VERSION, "files": {k: asdict(v) for k, v in sorted(self._files.items())}}
-        atomic_write_text(self.path, json.dumps(d, indent=1, sort_keys=True) + "\n")
+        write_atomic(self.path, json.dumps(d, indent=1, sort_keys=True) + "\n")

@@ -69,89 +69,93 @@ class Role:
     section: Section = Section.TEXT
 
 
-def _r(role, template, shape, fmt, scope, tp=TP.REPLICATE, unit=None, **kw) -> Role:
+def _role(role: str, template: str, shape: str, fmt: str, scope: Scope, tp: str = "replicate",
+          unit: str | None = None, **kw) -> Role:
+    """A ``Role`` row written compactly: ``shape`` as space-separated dimension names."""
     return Role(role, template, tuple(shape.split()), Format(fmt), scope, TP(tp), unit, **kw)
 
 
-L = "{lm}model.layers.{bid}."
-A = L + "self_attn."
-M = L + "block_sparse_moe."
-V = "vision_tower.encoder.blocks.{bid}."
-G, Y, K, Q, D_, E, X, B = (Scope.GLOBAL, Scope.LAYER, Scope.KDA, Scope.MLA, Scope.DENSE,
-                           Scope.MOE, Scope.EXPERT, Scope.VIT_BLOCK)
+# Name prefixes shared by the templates below.
+LAYER = "{lm}model.layers.{bid}."
+ATTN = LAYER + "self_attn."
+MOE = LAYER + "block_sparse_moe."
+VIT_BLOCK = "vision_tower.encoder.blocks.{bid}."
 
 ROLES: tuple[Role, ...] = (
     # --- global text tensors (spec §2.3) ---
-    _r("embed", "{lm}model.embed_tokens.weight", "V D", "bf16", G, "vocab", "V"),
-    _r("lm_head", "{lm}lm_head.weight", "V D", "bf16", G, "vocab", "V"),  # untied
-    _r("final_norm", "{lm}model.norm.weight", "D", "bf16", G),
-    _r("out_res.norm", "{lm}model.output_attn_res_norm.weight", "D", "bf16", G),
-    _r("out_res.proj", "{lm}model.output_attn_res_proj.weight", "1 D", "bf16", G),
+    _role("embed", "{lm}model.embed_tokens.weight", "V D", "bf16", Scope.GLOBAL, tp="vocab", unit="V"),
+    _role("lm_head", "{lm}lm_head.weight", "V D", "bf16", Scope.GLOBAL, tp="vocab", unit="V"),  # untied
+    _role("final_norm", "{lm}model.norm.weight", "D", "bf16", Scope.GLOBAL),
+    _role("out_res.norm", "{lm}model.output_attn_res_norm.weight", "D", "bf16", Scope.GLOBAL),
+    _role("out_res.proj", "{lm}model.output_attn_res_proj.weight", "1 D", "bf16", Scope.GLOBAL),
     # --- every decoder layer (spec §2.4); layer 0's attn_res pair is stored but unused ---
-    _r("input_norm", L + "input_layernorm.weight", "D", "bf16", Y),
-    _r("post_attn_norm", L + "post_attention_layernorm.weight", "D", "bf16", Y),
-    _r("attn_res.norm", L + "self_attention_res_norm.weight", "D", "bf16", Y),
-    _r("attn_res.proj", L + "self_attention_res_proj.weight", "1 D", "bf16", Y),
-    _r("ffn_res.norm", L + "mlp_res_norm.weight", "D", "bf16", Y),
-    _r("ffn_res.proj", L + "mlp_res_proj.weight", "1 D", "bf16", Y),
+    _role("input_norm", LAYER + "input_layernorm.weight", "D", "bf16", Scope.LAYER),
+    _role("post_attn_norm", LAYER + "post_attention_layernorm.weight", "D", "bf16", Scope.LAYER),
+    _role("attn_res.norm", LAYER + "self_attention_res_norm.weight", "D", "bf16", Scope.LAYER),
+    _role("attn_res.proj", LAYER + "self_attention_res_proj.weight", "1 D", "bf16", Scope.LAYER),
+    _role("ffn_res.norm", LAYER + "mlp_res_norm.weight", "D", "bf16", Scope.LAYER),
+    _role("ffn_res.proj", LAYER + "mlp_res_proj.weight", "1 D", "bf16", Scope.LAYER),
     # --- KDA mixer (spec §2.5); g_proj/o_proj share names with MLA, resolved by layer kind ---
-    _r("kda.q_proj", A + "q_proj.weight", "P D", "bf16", K, "column", "H"),
-    _r("kda.k_proj", A + "k_proj.weight", "P D", "bf16", K, "column", "H"),
-    _r("kda.v_proj", A + "v_proj.weight", "P D", "bf16", K, "column", "H"),
-    _r("kda.q_conv", A + "q_conv1d.weight", "P 1 Kc", "f32", K, "column", "H"),
-    _r("kda.k_conv", A + "k_conv1d.weight", "P 1 Kc", "f32", K, "column", "H"),
-    _r("kda.v_conv", A + "v_conv1d.weight", "P 1 Kc", "f32", K, "column", "H"),
-    _r("kda.f_a_proj", A + "f_a_proj.weight", "d D", "bf16", K),  # low-rank gate down: replicated
-    _r("kda.f_b_proj", A + "f_b_proj.weight", "P d", "bf16", K, "column", "H"),
-    _r("kda.dt_bias", A + "dt_bias", "P", "f32", K, "column", "H"),
-    _r("kda.A_log", A + "A_log", "Ap", "f32", K, "column", "H", padded="Ap"),  # [H] zero-padded
-    _r("kda.b_proj", A + "b_proj.weight", "H D", "bf16", K, "column", "H"),
-    _r("kda.g_proj", A + "g_proj.weight", "P D", "bf16", K, "column", "H"),
-    _r("kda.o_norm", A + "o_norm.weight", "d", "f32", K),
-    _r("kda.o_proj", A + "o_proj.weight", "D P", "bf16", K, "row", "H"),
+    _role("kda.q_proj", ATTN + "q_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.k_proj", ATTN + "k_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.v_proj", ATTN + "v_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.q_conv", ATTN + "q_conv1d.weight", "P 1 Kc", "f32", Scope.KDA, tp="column", unit="H"),
+    _role("kda.k_conv", ATTN + "k_conv1d.weight", "P 1 Kc", "f32", Scope.KDA, tp="column", unit="H"),
+    _role("kda.v_conv", ATTN + "v_conv1d.weight", "P 1 Kc", "f32", Scope.KDA, tp="column", unit="H"),
+    _role("kda.f_a_proj", ATTN + "f_a_proj.weight", "d D", "bf16", Scope.KDA),  # low-rank gate down: replicated
+    _role("kda.f_b_proj", ATTN + "f_b_proj.weight", "P d", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.dt_bias", ATTN + "dt_bias", "P", "f32", Scope.KDA, tp="column", unit="H"),
+    _role("kda.A_log", ATTN + "A_log", "Ap", "f32", Scope.KDA, tp="column", unit="H", padded="Ap"),  # [H] zero-padded
+    _role("kda.b_proj", ATTN + "b_proj.weight", "H D", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.g_proj", ATTN + "g_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
+    _role("kda.o_norm", ATTN + "o_norm.weight", "d", "f32", Scope.KDA),
+    _role("kda.o_proj", ATTN + "o_proj.weight", "D P", "bf16", Scope.KDA, tp="row", unit="H"),
     # --- Gated MLA mixer (spec §2.6) ---
-    _r("mla.q_a_proj", A + "q_a_proj.weight", "Rq D", "bf16", Q),
-    _r("mla.q_a_norm", A + "q_a_layernorm.weight", "Rq", "bf16", Q),
-    _r("mla.q_b_proj", A + "q_b_proj.weight", "Hq_qk Rq", "bf16", Q, "column", "Hm"),
-    _r("mla.kv_a_proj", A + "kv_a_proj_with_mqa.weight", "Rkv_pe D", "bf16", Q),
-    _r("mla.kv_a_norm", A + "kv_a_layernorm.weight", "Rkv", "bf16", Q),
-    _r("mla.kv_b_proj", A + "kv_b_proj.weight", "Hkv Rkv", "bf16", Q, "column", "Hm"),
-    _r("mla.g_proj", A + "g_proj.weight", "Hv D", "bf16", Q, "column", "Hm"),
-    _r("mla.o_proj", A + "o_proj.weight", "D Hv", "bf16", Q, "row", "Hm"),
+    _role("mla.q_a_proj", ATTN + "q_a_proj.weight", "Rq D", "bf16", Scope.MLA),
+    _role("mla.q_a_norm", ATTN + "q_a_layernorm.weight", "Rq", "bf16", Scope.MLA),
+    _role("mla.q_b_proj", ATTN + "q_b_proj.weight", "Hq_qk Rq", "bf16", Scope.MLA, tp="column", unit="Hm"),
+    _role("mla.kv_a_proj", ATTN + "kv_a_proj_with_mqa.weight", "Rkv_pe D", "bf16", Scope.MLA),
+    _role("mla.kv_a_norm", ATTN + "kv_a_layernorm.weight", "Rkv", "bf16", Scope.MLA),
+    _role("mla.kv_b_proj", ATTN + "kv_b_proj.weight", "Hkv Rkv", "bf16", Scope.MLA, tp="column", unit="Hm"),
+    _role("mla.g_proj", ATTN + "g_proj.weight", "Hv D", "bf16", Scope.MLA, tp="column", unit="Hm"),
+    _role("mla.o_proj", ATTN + "o_proj.weight", "D Hv", "bf16", Scope.MLA, tp="row", unit="Hm"),
     # --- dense FFN, layer 0 (spec §2.7) ---
-    _r("dense.gate_proj", L + "mlp.gate_proj.weight", "I D", "bf16", D_, "column", "I"),
-    _r("dense.up_proj", L + "mlp.up_proj.weight", "I D", "bf16", D_, "column", "I"),
-    _r("dense.down_proj", L + "mlp.down_proj.weight", "D I", "bf16", D_, "row", "I"),
+    _role("dense.gate_proj", LAYER + "mlp.gate_proj.weight", "I D", "bf16", Scope.DENSE, tp="column", unit="I"),
+    _role("dense.up_proj", LAYER + "mlp.up_proj.weight", "I D", "bf16", Scope.DENSE, tp="column", unit="I"),
+    _role("dense.down_proj", LAYER + "mlp.down_proj.weight", "D I", "bf16", Scope.DENSE, tp="row", unit="I"),
     # --- Stable LatentMoE (spec §2.8) ---
-    _r("moe.router", M + "gate.weight", "E D", "bf16", E),
-    _r("moe.router_bias", M + "gate.e_score_correction_bias", "E", "f32", E),
-    _r("moe.latent_down", M + "routed_expert_down_proj.weight", "Lr D", "bf16", E),
-    _r("moe.latent_norm", M + "routed_expert_norm.weight", "Lr", "bf16", E),
-    _r("moe.latent_up", M + "routed_expert_up_proj.weight", "D Lr", "bf16", E),
-    _r("moe.shared.gate_proj", M + "shared_experts.gate_proj.weight", "S D", "bf16", E, "column", "S"),
-    _r("moe.shared.up_proj", M + "shared_experts.up_proj.weight", "S D", "bf16", E, "column", "S"),
-    _r("moe.shared.down_proj", M + "shared_experts.down_proj.weight", "D S", "bf16", E, "row", "S"),
+    _role("moe.router", MOE + "gate.weight", "E D", "bf16", Scope.MOE),
+    _role("moe.router_bias", MOE + "gate.e_score_correction_bias", "E", "f32", Scope.MOE),
+    _role("moe.latent_down", MOE + "routed_expert_down_proj.weight", "Lr D", "bf16", Scope.MOE),
+    _role("moe.latent_norm", MOE + "routed_expert_norm.weight", "Lr", "bf16", Scope.MOE),
+    _role("moe.latent_up", MOE + "routed_expert_up_proj.weight", "D Lr", "bf16", Scope.MOE),
+    _role("moe.shared.gate_proj", MOE + "shared_experts.gate_proj.weight", "S D", "bf16", Scope.MOE,
+          tp="column", unit="S"),
+    _role("moe.shared.up_proj", MOE + "shared_experts.up_proj.weight", "S D", "bf16", Scope.MOE,
+          tp="column", unit="S"),
+    _role("moe.shared.down_proj", MOE + "shared_experts.down_proj.weight", "D S", "bf16", Scope.MOE,
+          tp="row", unit="S"),
     # routed experts: w1 = gate, w3 = up, w2 = down (spec §2.8); EP places whole experts
-    _r("moe.expert.w1", M + "experts.{eid}.w1", "Ie Lr", "mxfp4", X, "column", "Ie"),
-    _r("moe.expert.w2", M + "experts.{eid}.w2", "Lr Ie", "mxfp4", X, "row", "Ie"),
-    _r("moe.expert.w3", M + "experts.{eid}.w3", "Ie Lr", "mxfp4", X, "column", "Ie"),
+    _role("moe.expert.w1", MOE + "experts.{eid}.w1", "Ie Lr", "mxfp4", Scope.EXPERT, tp="column", unit="Ie"),
+    _role("moe.expert.w2", MOE + "experts.{eid}.w2", "Lr Ie", "mxfp4", Scope.EXPERT, tp="row", unit="Ie"),
+    _role("moe.expert.w3", MOE + "experts.{eid}.w3", "Ie Lr", "mxfp4", Scope.EXPERT, tp="column", unit="Ie"),
     # --- MoonViT-V2 vision tower (spec §2.9): replicated ---
-    _r("vit.patch_embed", "vision_tower.patch_embed.proj.weight", "Dv 3 Pt Pt", "bf16", G,
-       section=Section.VISION),
-    _r("vit.pos_emb", "vision_tower.patch_embed.pos_emb.weight", "Ph Pw Dv", "bf16", G,
-       section=Section.VISION),
-    _r("vit.norm0", V + "norm0.weight", "Dv", "bf16", B, section=Section.VISION),
-    _r("vit.wqkv", V + "wqkv.weight", "Qkv3 Dv", "bf16", B, section=Section.VISION),
-    _r("vit.wo", V + "wo.weight", "Dv Qkv", "bf16", B, section=Section.VISION),
-    _r("vit.norm1", V + "norm1.weight", "Dv", "bf16", B, section=Section.VISION),
-    _r("vit.fc0", V + "mlp.fc0.weight", "Iv Dv", "bf16", B, section=Section.VISION),
-    _r("vit.fc1", V + "mlp.fc1.weight", "Dv Iv", "bf16", B, section=Section.VISION),
-    _r("vit.final_norm", "vision_tower.encoder.final_layernorm.weight", "Dv", "bf16", G,
-       section=Section.VISION),
+    _role("vit.patch_embed", "vision_tower.patch_embed.proj.weight", "Dv 3 Pt Pt", "bf16", Scope.GLOBAL,
+          section=Section.VISION),
+    _role("vit.pos_emb", "vision_tower.patch_embed.pos_emb.weight", "Ph Pw Dv", "bf16", Scope.GLOBAL,
+          section=Section.VISION),
+    _role("vit.norm0", VIT_BLOCK + "norm0.weight", "Dv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.wqkv", VIT_BLOCK + "wqkv.weight", "Qkv3 Dv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.wo", VIT_BLOCK + "wo.weight", "Dv Qkv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.norm1", VIT_BLOCK + "norm1.weight", "Dv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.fc0", VIT_BLOCK + "mlp.fc0.weight", "Iv Dv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.fc1", VIT_BLOCK + "mlp.fc1.weight", "Dv Iv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
+    _role("vit.final_norm", "vision_tower.encoder.final_layernorm.weight", "Dv", "bf16", Scope.GLOBAL,
+          section=Section.VISION),
     # --- patchmergerv2 projector (spec §2.9) ---
-    _r("proj.fc1", "mm_projector.proj.0.weight", "Dm Dm", "bf16", G, section=Section.PROJECTOR),
-    _r("proj.fc2", "mm_projector.proj.2.weight", "D Dm", "bf16", G, section=Section.PROJECTOR),
-    _r("proj.post_norm", "mm_projector.post_norm.weight", "D", "bf16", G, section=Section.PROJECTOR),
+    _role("proj.fc1", "mm_projector.proj.0.weight", "Dm Dm", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
+    _role("proj.fc2", "mm_projector.proj.2.weight", "D Dm", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
+    _role("proj.post_norm", "mm_projector.post_norm.weight", "D", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
 )
 
 ROLE_BY_NAME: dict[str, Role] = {r.role: r for r in ROLES}
@@ -201,7 +205,7 @@ def dimensions(text: TextConfig, vision: VisionConfig | None) -> dict[str, int]:
 # projection and MoE layer holds a rank's experts along a new leading dim, so the stem drops the
 # expert id. The stored parts keep their suffixes (``.weight_packed``, ``.weight_scale``, ...).
 STACKED_EXPERT_TEMPLATES: dict[str, str] = {
-    "moe.expert.w1": M + "experts.w1",
-    "moe.expert.w2": M + "experts.w2",
-    "moe.expert.w3": M + "experts.w3",
+    "moe.expert.w1": MOE + "experts.w1",
+    "moe.expert.w2": MOE + "experts.w2",
+    "moe.expert.w3": MOE + "experts.w3",
 }

@@ -69,12 +69,5 @@ def preset_config_dict(name: str) -> dict:
     return cfg
 
 
-def preset_description(name: str) -> str:
-    if name == "full":
-        return "the released Kimi K3 config (1.56 TB; for plan/schema/checklist, never written)"
-    data = yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text(encoding="utf-8")) or {}
-    return data.get("description", "")
-
-
 def preset_config(name: str) -> K3Config:
     return parse_config(preset_config_dict(name), source=f"preset {name}")

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from k3bundle import __version__
-from k3bundle.bundle.common import write_atomic
+from k3bundle.io.files import write_atomic
 
 SCHEMA_VERSION = 1
 

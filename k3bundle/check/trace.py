@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from k3bundle.bundle.common import BundleError
+from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import INDEX_NAME, read_index
 from k3bundle.formats import mxfp4, nvfp4
 from k3bundle.formats.scale_swizzle import TILE_COLS, TILE_ROWS
@@ -45,7 +45,7 @@ def _unswizzle_index(k: int, scale_cols: int) -> tuple[int, int]:
     return rt * TILE_ROWS + q * 32 + p, ct * TILE_COLS + c
 
 
-def _source_key(src: dict, expert: int | None, which: str = "data") -> str:
+def source_key(src: dict, expert: int | None, which: str = "data") -> str:
     """The source key of the data (or, ``which="scale"``, of its MXFP4 scale) for ``expert``."""
     d = src if which == "data" else src["scale"]
     if "key" in d:
@@ -90,7 +90,7 @@ def _trace_byte(e: dict, offset: int) -> dict:
     res: dict = {"offset": offset, "file_offset": e["byte_range"][0] + offset}
     if expert is not None:
         res["expert"] = expert
-    skey = _source_key(src, expert)
+    skey = source_key(src, expert)
     if "swizzle" in transform:  # flat swizzled scale: back to (row, block) of the row-major matrix
         block = nvfp4.BLOCK if storage == "nvfp4" else mxfp4.BLOCK
         pad_cols = src.get("pad_cols", 0)
@@ -109,7 +109,7 @@ def _trace_byte(e: dict, offset: int) -> dict:
         res["padding"] = False
         res["source"] = {"file": src["file"], "key": skey, "rows": rows, "cols": cols,
                          "note": "2^(largest live exponent - 8) over the whole source tensor"}
-        res["scale"] = {"key": _source_key(src, expert, "scale"), "rows": src["scale"]["rows"],
+        res["scale"] = {"key": source_key(src, expert, "scale"), "rows": src["scale"]["rows"],
                         "cols": src["scale"]["cols"]}
         return res
     # logical source columns per device column, and rows per device row, of this part
@@ -147,7 +147,7 @@ def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storag
             res["source"] = {"file": src["file"], "key": skey, "element": [row, col], "bytes": [b, b + 1],
                              "logical_cols": [2 * col, 2 * col + 2]}
             sc = (2 * col) // mxfp4.BLOCK
-            res["scale"] = {"key": _source_key(src, expert, "scale"), "element": [row, sc],
+            res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
                             "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1]}
         else:
             col = c0 // mxfp4.BLOCK + j
@@ -156,7 +156,7 @@ def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storag
                              "logical_cols": [col * mxfp4.BLOCK, (col + 1) * mxfp4.BLOCK]}
         return res
     if storage == "nvfp4":
-        skey_packed = _source_key(src, expert)
+        skey_packed = source_key(src, expert)
         if part == "packed":
             col = c0 // 2 + j
             sc = (2 * col) // mxfp4.BLOCK
@@ -172,7 +172,7 @@ def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storag
                              "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1],
                              "logical_cols": [lc, lc + nvfp4.BLOCK]}
             return res
-        res["scale"] = {"key": _source_key(src, expert, "scale"), "element": [row, sc],
+        res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
                         "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1]}
         return res
     # derived from BF16: fp8-e4m3-channel / fp8-e4m3-block128 / mxfp4-from-bf16

@@ -30,17 +30,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.bundle.common import json_bytes, sha256_file
+from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
-from k3bundle.bundle.trace import _source_key
+from k3bundle.check.trace import source_key
+from k3bundle.convert.run import LAYOUT_PATH
+from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
 from k3bundle.formats.scale_swizzle import unswizzle
 from k3bundle.io import SafetensorsFile, read_header
 from k3bundle.io.dtypes import dtype_bits
+from k3bundle.io.files import sha256_file
+from k3bundle.layouts import load_layout
+from k3bundle.plan import plan_for_source
 from k3bundle.plan.storage import EXACT_TRANSFORMS
+from k3bundle.schema import ROLE_BY_NAME
+from k3bundle.source import SourceCheckpoint
 
 CHUNK = 64 << 20
 MAX_PROBLEMS = 50
@@ -135,11 +142,6 @@ def verify(bundle: str | Path, source: str | Path | None = None,
 
 def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actual: dict[str, str],
                    report: VerifyReport, progress) -> None:
-    from k3bundle.convert.run import LAYOUT_PATH, plan_for_source  # convert imports bundle: import late
-    from k3bundle.convert.unit import build_unit, run_unit
-    from k3bundle.layouts import load_layout
-    from k3bundle.source import SourceCheckpoint
-
     report.source_checked = True
     recorded = {f["path"]: f for f in manifest["source"]["files"]}
     src = SourceCheckpoint(source)
@@ -226,8 +228,6 @@ def _first_difference(a: Path, b: Path, path: str, index: dict) -> str:
 
 def _reassemble(bundle: Path, source: Path, index: dict, schema, report: VerifyReport) -> None:
     """Check every pass-through source tensor against the rank slices that hold it."""
-    from k3bundle.schema import ROLE_BY_NAME
-
     slices: dict[str, list[tuple[dict, int | None]]] = {}
     for e in index["tensors"]:
         if e["transform"] not in EXACT_TRANSFORMS:
@@ -235,7 +235,7 @@ def _reassemble(bundle: Path, source: Path, index: dict, schema, report: VerifyR
         src = e["source"]
         experts = range(*src["experts"]) if "experts" in src else (None,)
         for x in experts:
-            key = _source_key(src, x)
+            key = source_key(src, x)
             slices.setdefault(key, []).append((e, x))
     opened: dict[str, SafetensorsFile] = {}
     try:

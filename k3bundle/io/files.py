@@ -1,0 +1,93 @@
+"""Whole files, the one way every k3bundle writer and hasher does them.
+
+An atomic write puts the bytes in a hidden temp file in the destination's own folder (a rename is
+atomic only within one filesystem), fsyncs it, renames it over the destination and fsyncs the
+folder so that the rename itself survives a crash. On any failure the temp file is removed and the
+old destination, if any, is left untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+HASH_CHUNK = 16 << 20
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """A fresh hidden name beside ``path`` for its temp file (unique, so writers never collide)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def is_temp_of(name: str, final_name: str) -> bool:
+    """Whether ``name`` is a temp file :func:`temp_path` makes for ``final_name``."""
+    return name.startswith(f".{final_name}.") and name.endswith(TEMP_SUFFIX)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename in ``directory`` durable (best effort: some filesystems cannot fsync a folder)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def discard(tmp: str | os.PathLike) -> None:
+    """Remove a temp file if it is there."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def publish(fd: int, tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """The finish of every atomic write: fsync the temp file's ``fd``, rename it over ``final``,
+    fsync the folder. The caller still owns (and closes) ``fd``; on failure it discards ``tmp``."""
+    os.fsync(fd)
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only if the ``with`` block finishes without an error."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            yield f
+            f.flush()
+            publish(f.fileno(), tmp, path)
+    except BaseException:
+        discard(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Replace ``path`` with ``data`` atomically (str is written as UTF-8, newlines untranslated)."""
+    with atomic_output(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
+    """(sha256 hex, size) of a file, read once in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return h.hexdigest(), size
