@@ -46,7 +46,7 @@ class DemoResult:
 
 
 def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
-             say: Callable[[DemoStep], None] | None = None) -> DemoResult:
+             say: Callable[[DemoStep], None] | None = None, device: str = "cpu") -> DemoResult:
     out = Path(out)
     if out.exists():
         if not force and any(out.iterdir()):
@@ -78,10 +78,10 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
 
     step("verify", bundle / "manifest.json", _verify)
     step("golden", bundle / "validation", lambda: "content hash " + generate_goldens(
-        bundle, long_tokens=long_tokens).content_hash[:16])
+        bundle, long_tokens=long_tokens, device=device).content_hash[:16])
 
     def _validate():
-        rep = validate(bundle, open_device(bundle))
+        rep = validate(bundle, open_device(bundle, device=device))
         files = write_reports(rep, bundle / "reports")
         res.passed = rep.passed
         return ("PASS" if rep.passed else "FAIL") + f" ({files[1].name})"

@@ -77,8 +77,8 @@ def _patch(bundle: Path, entry: dict, fn) -> None:
         fh.write(raw)
 
 
-def _validate(bundle: Path, *extra: str):
-    r = run_cli("validate", str(bundle), "--json", *extra, env={"OMP_NUM_THREADS": "1"})
+def _validate(bundle: Path, *extra: str, env: dict | None = None):
+    r = run_cli("validate", str(bundle), "--json", *extra, env={"OMP_NUM_THREADS": "1", **(env or {})})
     data = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
     return r, data
 

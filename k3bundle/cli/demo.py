@@ -16,6 +16,7 @@ def demo(
     out: Annotated[Path, typer.Option("--out", "-o", help="Working directory for every artifact.")] = Path("k3bundle-demo"),
     force: Annotated[bool, typer.Option(help="Replace an existing demo directory.")] = False,
     long_tokens: Annotated[int, typer.Option(help="Length of the long-context golden case in the demo.")] = 1024,
+    device: Annotated[str, typer.Option(help="Torch device for golden and validate: cpu, cuda, ...")] = "cpu",
     json_: JsonOpt = False,
 ) -> None:
     """synth tiny → pull → plan → convert b300-tp8 → verify → golden → validate → checklist."""
@@ -26,7 +27,7 @@ def demo(
     def say(s):
         o.info(f"[{s.seconds:5.1f} s] {s.name:<9} {s.detail}\n            -> {s.artifact}")
 
-    r = run_demo(out, long_tokens=long_tokens, force=force, say=say)
+    r = run_demo(out, long_tokens=long_tokens, force=force, say=say, device=device)
     total = sum(s.seconds for s in r.steps)
     o.result(f"demo {'PASSED' if r.passed else 'FAILED'} in {total:.1f} s; everything is under {r.out}",
              {"out": str(r.out), "passed": r.passed, "seconds": round(total, 2),

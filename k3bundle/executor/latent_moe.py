@@ -37,6 +37,7 @@ class Route:
     weights_TK: torch.Tensor  # their renormalised weights (R3), compute dtype
     margin_T: torch.Tensor  # biased score of the k-th minus the (k+1)-th expert: near-tie measure
     own_ids_TK: torch.Tensor  # the router's own top-k (R2), equal to ids_TK unless forced
+    noise_T: torch.Tensor  # std of margin_T caused by rounding the router input (0 at FP32 and above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, t
     comparison is not dominated by near-tie routing flips; the weights still follow R3, and
     the router's own choice stays available as ``own_ids_TK``.
     """
-    c = compute_dtype(x_TD)
+    c, u = compute_dtype(x_TD), torch.finfo(x_TD.dtype).eps / 2  # u: unit roundoff of the input
     # the router runs in FP32 whatever the activation dtype (vLLM: replicated gate, FP32 output)
     x_TD, w_router_ED, bias_E = x_TD.to(c), w_router_ED.to(c), bias_E.to(c)
     logits_TE = linear(x_TD, w_router_ED)  # (R1)
@@ -65,7 +66,25 @@ def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, t
     ids_TK = own_TK if forced_TK is None else forced_TK.to(own_TK.device, torch.long)
     s_TK = s_TE.gather(-1, ids_TK)  # (R3) the unbiased scores of the selected experts
     w_TK = s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * text.routed_scaling_factor  # (R3)
-    return Route(ids_TK, w_TK, margin_T, own_TK)
+    return Route(ids_TK, w_TK, margin_T, own_TK, margin_noise(x_TD, w_router_ED, s_TE, top.indices, k, u))
+
+
+def margin_noise(x_TD, w_ED, s_TE, top_TK1, k: int, u: float) -> torch.Tensor:
+    """Std of the selection margin (R2) caused by the rounding of the router input x.
+
+    A low-precision x carries a relative error of about u per element (a cast and the norm's
+    output rounding), independent across elements, so logit e moves by about
+    u·sqrt(Σ_d W_ed² x_d²) and its score by s_e(1 − s_e) times that; the margin between the
+    k-th and (k+1)-th expert moves by the two combined. A routing flip whose reference margin
+    is a few of these is arithmetic, not a fault (docs/validation.md "router").
+    """
+    if u < 2.0 ** -20 or top_TK1.shape[-1] <= k:  # FP32 and FP64 inputs: nothing to speak of
+        return torch.zeros(x_TD.shape[0], dtype=s_TE.dtype, device=s_TE.device)
+    pair_T2 = top_TK1[:, k - 1:k + 1]
+    w_T2D = w_ED[pair_T2]  # the two boundary experts' router rows
+    logit_std_T2 = u * torch.sqrt(torch.einsum("tpd,td->tp", w_T2D * w_T2D, x_TD * x_TD))
+    s_T2 = s_TE.gather(-1, pair_T2)
+    return torch.linalg.vector_norm(s_T2 * (1 - s_T2) * logit_std_T2, dim=-1)
 
 
 def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None) -> MoEOut:

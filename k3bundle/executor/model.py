@@ -132,7 +132,9 @@ class Executor:
         outputs), replays the fed expert ids, and continues from the fed mixer and FFN outputs,
         never its own, so errors do not carry over. Keys are tap names (layer 0's AttnRes
         output is the embedding itself and is left out); ``own.layers.{l}.router_ids`` is the
-        layer's own, unforced expert choice. Values are CPU tensors.
+        layer's own, unforced expert choice and ``noise.layers.{l}.router_margin`` how far its
+        selection margin can move from the rounding of its input (``latent_moe.margin_noise``).
+        Values are CPU tensors.
         """
         out: dict[str, torch.Tensor] = {}
         self._forward(None, self.new_cache(), decode=False, boundaries=[], feed=feed, collect=out)
@@ -261,3 +263,4 @@ class Executor:
                             p + "ffn_out": out.ffn_out})
             if out.route is not None:
                 collect["own." + p + "router_ids"] = out.route.own_ids_TK
+                collect["noise." + p + "router_margin"] = out.route.noise_T

@@ -47,6 +47,15 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
+def _device_name(device: torch.device) -> str:
+    """What made the goldens: the GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def _chunk_boundaries(length: int, chunk: int) -> list[int]:
     grid = list(range(chunk, length + 1, chunk))
     if len(grid) <= MAX_CHUNK_SNAPSHOTS:
@@ -75,6 +84,9 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     source = Path(source)
     out = Path(out) if out else source / "validation"
     torch.manual_seed(seed)
+    # goldens are exact float32/float64 arithmetic: no TF32 shortcuts on GPUs (cuBLAS, cuDNN)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     cases = load_cases(cases_dir)
     tol_file = tolerance_path(tolerance)
     encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
@@ -110,7 +122,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
 
     digest = content_hash(inter)
     meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,
-            "device": str(weights.device), "tolerance": tol_file.name, "content_hash": digest,
+            "device": str(weights.device), "device_name": _device_name(weights.device),
+            "torch_version": torch.__version__, "tolerance": tol_file.name, "content_hash": digest,
             "cases": summary, "source": str(source.resolve()), "chunk": CHUNK}
     out.mkdir(parents=True, exist_ok=True)
     inter["__meta__"] = meta_array(meta)

@@ -37,7 +37,7 @@ TENSOR_METRICS = ("nmse", "cosine", "max_abs")
 SECTIONS = {
     "added": None, "inherited": None, "emulation": None,
     "logits": {"kld_mean", "kld_p99", "top1"},
-    "router": {"expert_set", "near_tie_eps"},
+    "router": {"expert_set", "near_tie_eps", "noise_sigmas"},
     "greedy": {"near_tie_margin"},
     "state": {"drift_nmse"},
 }

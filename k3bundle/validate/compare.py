@@ -80,8 +80,14 @@ def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol:
 
 
 def compare_router(case: str, tap: str, ref_ids: torch.Tensor, ids: torch.Tensor,
-                   ref_margin: torch.Tensor | None, tol: Tolerances) -> TapResult:
-    eps = tol.router.get("near_tie_eps", 0.0)
+                   ref_margin: torch.Tensor | None, tol: Tolerances,
+                   noise: torch.Tensor | None = None) -> TapResult:
+    """Expert sets per token; a flip is exempt where the golden selection margin is below
+    ``near_tie_eps`` or below ``noise_sigmas`` standard deviations of the device's own margin
+    noise (``noise``: what the rounding of its router input can move the margin by)."""
+    eps = torch.tensor(tol.router.get("near_tie_eps", 0.0), dtype=torch.float64)
+    if noise is not None:
+        eps = torch.maximum(eps, tol.router.get("noise_sigmas", 0.0) * noise.reshape(-1).to(torch.float64))
     agree, exempt = M.expert_set_agreement(ref_ids, ids, ref_margin, eps)
     limits = {"expert_set": tol.router.get("expert_set", 1.0)}
     ok, need = judge({"expert_set": agree}, limits)

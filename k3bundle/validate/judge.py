@@ -16,6 +16,7 @@ from k3bundle.validate.compare import TapResult, compare_logits, compare_router,
 from k3bundle.validate.devices import as_tensor
 
 OWN = "own."  # teacher-forced outputs: the layer's own (unforced) expert choice
+NOISE = "noise."  # ... and how far its selection margin can move from its input's rounding
 NOT_TAPS = ("positions", "greedy_tokens", "chunk_positions")
 
 
@@ -57,13 +58,16 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
     (fed a dump's own outputs). Own expert choices are judged as sets with the golden margins."""
     results = []
     for name, value in outputs.items():
+        if name.startswith(NOISE):
+            continue
         tap = name[len(OWN):] if name.startswith(OWN) else name
         expected = ref(tap)
         if expected is None:
             continue
         if name.startswith(OWN):
             results.append(compare_router(case, tap, as_tensor(expected), value,
-                                          as_tensor(margins(_margin_of(tap))), tol))
+                                          as_tensor(margins(_margin_of(tap))), tol,
+                                          outputs.get(NOISE + _margin_of(tap))))
         else:
             results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode))
     return results

@@ -85,7 +85,7 @@ def topk_agreement(ref_logits: torch.Tensor, logits: torch.Tensor, k: int = 1) -
 
 
 def expert_set_agreement(ref_ids: torch.Tensor, ids: torch.Tensor, ref_margin: torch.Tensor | None = None,
-                         eps: float = 0.0) -> tuple[float, int]:
+                         eps: float | torch.Tensor = 0.0) -> tuple[float, int]:
     """Fraction of tokens whose routed-expert sets agree, and the count of exempted flips.
 
     Args:
@@ -93,7 +93,8 @@ def expert_set_agreement(ref_ids: torch.Tensor, ids: torch.Tensor, ref_margin: t
         ids (`Tensor` [tokens, k]): candidate ids.
         ref_margin (`Tensor` [tokens], optional): golden selection-score gap between the k-th and
             (k+1)-th expert; a differing set counts as agreeing when this gap is below ``eps``.
-        eps (`float`): the near-tie threshold. Defaults to 0 (no exemption).
+        eps (`float` or `Tensor` [tokens]): the near-tie threshold, one for all tokens or one per
+            token. Defaults to 0 (no exemption).
 
     Returns:
         (agreement in [0, 1], number of exempted near-tie flips).
@@ -104,7 +105,8 @@ def expert_set_agreement(ref_ids: torch.Tensor, ids: torch.Tensor, ref_margin: t
     b = ids.reshape(-1, ids.shape[-1]).sort(-1).values
     same = (a == b).all(-1)
     exempt = torch.zeros_like(same)
-    if ref_margin is not None and eps > 0:
+    eps = torch.as_tensor(eps, dtype=torch.float64).reshape(-1)
+    if ref_margin is not None and bool((eps > 0).any()):
         exempt = (~same) & (ref_margin.reshape(-1).to(torch.float64) < eps)
     ok = same | exempt
     return (float(ok.double().mean()) if ok.numel() else 1.0), int(exempt.sum())
