@@ -26,13 +26,14 @@ def validate(
     dumps: Annotated[Path | None, typer.Option(help="Judge intermediates dumped by an external runtime instead (docs/dump-format.md).")] = None,
     ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
+    rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports).")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
-    dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps)
+    dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps, rank_results=rank_results)
     with progress_bar("validate", enabled=not json_) as update:
         rep = run_validate(bundle, dut, progress=update)
     files = write_reports(rep, out or bundle / "reports")

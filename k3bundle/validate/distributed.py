@@ -25,7 +25,8 @@ from k3bundle.validate.devices import CaseOutput, Device, as_tensor
 from k3bundle.validate.errors import ValidateError
 
 class Distributed(Device):
-    def __init__(self, bundle: str | Path, device: str = "cpu", nproc: int | None = None):
+    def __init__(self, bundle: str | Path, device: str = "cpu", nproc: int | None = None,
+                 results: str | Path | None = None):
         self.bundle = Path(bundle)
         par = bundle_layout(self.bundle)["parallel"]
         world = par["tp"]
@@ -37,9 +38,13 @@ class Distributed(Device):
             raise ValidateError(f"{self.bundle}: the layout has {world} ranks, --nproc {nproc} differs")
         super().__init__(device)
         self.device, self.nproc = device, world
+        self.results_dir = None if results is None else Path(results)  # a worker run made elsewhere
         self.results: dict[str, tuple[dict, dict | None]] = {}
 
     def prepare(self, validation: Path, cases: list[str]) -> None:
+        if self.results_dir is not None:  # e.g. a multi-host torchrun of the worker
+            self._read(self.results_dir, cases)
+            return
         with tempfile.TemporaryDirectory(prefix="k3-ranks-") as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
@@ -47,13 +52,20 @@ class Distributed(Device):
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
+                full = f"\n{r.stdout}\n{r.stderr}" if os.environ.get("K3BUNDLE_DEBUG") else ""
                 raise ValidateError(f"{self.bundle}: distributed device run failed (exit {r.returncode}): "
-                                    f"{_cause(r.stderr or r.stdout)}")
-            for f in sorted(Path(tmp).glob("*.npz")):
-                arrays = read_npz(f)
-                cand = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("cand/")}
-                outs = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("outs/")}
-                self.results[f.stem] = (cand, outs or None)
+                                    f"{_cause(r.stderr + chr(10) + r.stdout)}{full}")
+            self._read(Path(tmp), cases)
+
+    def _read(self, directory: Path, cases: list[str]) -> None:
+        for name in cases:
+            f = directory / f"{name}.npz"
+            if not f.is_file():
+                raise ValidateError(f"{f}: missing; the rank workers wrote no result for case {name!r}")
+            arrays = read_npz(f)
+            cand = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("cand/")}
+            outs = {k[5:]: as_tensor(v.copy()) for k, v in arrays.items() if k.startswith("outs/")}
+            self.results[name] = (cand, outs or None)
 
     def case(self, name, golden, ids):
         cand, layers = self.results[name]
@@ -61,16 +73,18 @@ class Distributed(Device):
                           "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
 
 def _cause(output: str) -> str:
-    """The line that says why a rank died: the last exception line of its traceback, else the
-    last line (torchrun's banner of ``====`` lines and 'Root Cause' tables is skipped)."""
+    """The line that says why a rank died: ``rank N: Type: message`` from the last exception
+    line of a traceback, else the last line (torchrun's ``====`` banners are skipped)."""
     lines = [l.strip() for l in output.strip().splitlines() if l.strip()]
     errors = [l for l in lines if _is_exception_line(l)]
     if errors:
         m = _EXCEPTION.search(errors[-1])
-        return errors[-1][m.start(1):]
+        rank = _RANK.match(errors[-1])
+        return (f"rank {rank.group(1)}: " if rank else "") + errors[-1][m.start(1):]
     useful = [l for l in lines if set(l) - set("=-* ")]
     return useful[-1] if useful else "(no output)"
 
+_RANK = re.compile(r"\[(?:default)?(?:rank)?(\d+)\]")
 _EXCEPTION = re.compile(r"(?:^|[\s\]:])([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): ")
 
 

@@ -24,7 +24,7 @@ def weights_for(path: Path, device: str = "cpu") -> Callable[[str], object]:
 
 
 def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None,
-                dumps: str | Path | None = None) -> Device:
+                dumps: str | Path | None = None, rank_results: str | Path | None = None) -> Device:
     """The device under test: ``dumps`` (an external runtime), one process per rank
     (``ranks="distributed"``), or the built-in executor in this process."""
     path = Path(path)
@@ -36,5 +36,7 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
     if ranks == "distributed":
         if not (path / "manifest.json").is_file():
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
-        return Distributed(path, device=device, nproc=nproc)
+        return Distributed(path, device=device, nproc=nproc, results=rank_results)
+    if rank_results is not None:
+        raise ValidateError("--rank-results needs --ranks distributed")
     return InProcess(factory, device)
