@@ -3,19 +3,12 @@
 Usage: python bench/pin_outputs.py OUT_DIR [--goldens]  -> prints JSON {layout: digest, ...}.
 The digest of a bundle is sha256 over (relative path, sha256 of bytes) of every file in it.
 """
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-
-def tree_digest(root: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            h.update(p.relative_to(root).as_posix().encode() + b"\0")
-            h.update(hashlib.sha256(p.read_bytes()).digest())
-    return h.hexdigest()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_pinned_outputs import tree_digest  # noqa: E402  (one definition of the digest)
 
 
 def main(out: str, goldens: bool) -> dict:
