@@ -8,7 +8,7 @@ import sys
 import click
 import typer
 
-from k3bundle import __version__
+from k3bundle import __version__, runtime
 from k3bundle.cli import demo as demo_cmd
 from k3bundle.cli import golden as golden_cmd
 from k3bundle.cli import inspect as inspect_cmd
@@ -67,6 +67,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def main() -> None:
     """Entry point: known errors become one line on stderr and exit code 2."""
     try:
+        runtime.apply()  # torch's thread count; the wait policy was set in k3bundle/cli/__init__.py
         rc = app(standalone_mode=False)  # click returns typer.Exit's code here instead of exiting
         if isinstance(rc, int) and rc:
             sys.exit(rc)
