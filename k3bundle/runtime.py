@@ -26,6 +26,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3bundle.errors import K3Error
+
 THREADS_ENV = "K3BUNDLE_THREADS"
 WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 MAX_DEFAULT_THREADS = 8
@@ -49,8 +51,6 @@ def choose_threads(environ: MutableMapping[str, str] = os.environ, cpus: int | N
     if environ.get(THREADS_ENV, "").strip():
         raw = environ[THREADS_ENV].strip()
         if not raw.isdigit() or int(raw) < 1:
-            from k3bundle.errors import K3Error
-
             raise K3Error(f"{THREADS_ENV}={raw!r}: expected a whole number of threads >= 1")
         return int(raw), THREADS_ENV
     if environ.get("OMP_NUM_THREADS", "").strip():
