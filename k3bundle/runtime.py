@@ -4,16 +4,22 @@ torch's CPU kernels run on OpenMP (libgomp in the PyPI wheels). By default a lib
 reaches the end of a parallel region spins ~300,000 iterations before it sleeps; the executor's
 ops on the shipped models are small, so its threads spend most of a run spinning. Alone on the
 machine that only wastes power, but next to one other busy process the spinning threads and the
-process take turns on the cores and the README's demo ran 4-7x slower instead of ~2x
-(docs/performance.md "Under load"). The command line therefore, once, at start:
+process take turns on the cores: the README's demo ran 4x to 10x slower where sharing 2 cores
+should cost it at most 2x (docs/performance.md "Under load"). The command line therefore, once, at start:
 
 - sets ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep at once), ``GOMP_SPINCOUNT=0`` and
   ``KMP_BLOCKTIME=0`` (the same for libgomp's own knob and for Intel's OpenMP), before torch is
   imported, because OpenMP reads them when it is loaded. Child processes (torchrun workers)
   inherit them. If the user set any of the three, none is touched.
 - picks torch's intra-op thread count: ``K3BUNDLE_THREADS`` if set; else, if ``OMP_NUM_THREADS`` is
-  set, torch's own choice from it; else the CPUs this process may use (affinity mask and cgroup
-  quota), at most ``MAX_DEFAULT_THREADS``.
+  set, torch's own choice from it; else the CPUs this process may use: its affinity mask, capped
+  by a cgroup CPU quota (torch counts the mask only, so a container limited to 2 CPUs of a
+  64-core host would run 64 threads).
+
+Measured on 2 cores (docs/performance.md "Under load"): with passive wait, one competing process
+costs the demo ~1.0-1.1x (spinning: over 9x), for ~15% more time idle than spinning; a short spin
+(``GOMP_SPINCOUNT=10000``) is no faster idle and 2.5x slower loaded; one thread and two run the
+demo equally fast.
 
 Library callers (the tests, scripts) keep torch's defaults unless they call ``apply()``.
 """
@@ -30,7 +36,6 @@ from k3bundle.errors import K3Error
 
 THREADS_ENV = "K3BUNDLE_THREADS"
 WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
-MAX_DEFAULT_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ def choose_threads(environ: MutableMapping[str, str] = os.environ, cpus: int | N
         return int(raw), THREADS_ENV
     if environ.get("OMP_NUM_THREADS", "").strip():
         return None, "OMP_NUM_THREADS"
-    return min(cpus if cpus is not None else available_cpus(), MAX_DEFAULT_THREADS), "available CPUs"
+    return (cpus if cpus is not None else available_cpus()), "available CPUs"
 
 
 def available_cpus() -> int:
