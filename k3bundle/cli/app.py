@@ -26,7 +26,9 @@ from k3bundle.errors import K3Error
 
 app = typer.Typer(
     name="k3bundle",
-    help="Bring Kimi K3 up on serving targets and new accelerators: pull, convert, validate, sign off.",
+    help="Bring Kimi K3 up on serving targets and new accelerators: pull, convert, validate, sign off.\n\n"
+         "CPU: torch uses K3BUNDLE_THREADS threads (default: the CPUs this process may use) and OpenMP waits "
+         "passively unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set (docs/performance.md).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
