@@ -8,7 +8,7 @@ import sys
 import click
 import typer
 
-from k3bundle import __version__
+from k3bundle import __version__, runtime
 from k3bundle.cli import demo as demo_cmd
 from k3bundle.cli import golden as golden_cmd
 from k3bundle.cli import inspect as inspect_cmd
@@ -26,7 +26,9 @@ from k3bundle.errors import K3Error
 
 app = typer.Typer(
     name="k3bundle",
-    help="Bring Kimi K3 up on serving targets and new accelerators: pull, convert, validate, sign off.",
+    help="Bring Kimi K3 up on serving targets and new accelerators: pull, convert, validate, sign off.\n\n"
+         "CPU: torch uses K3BUNDLE_THREADS threads (default: the CPUs this process may use) and OpenMP waits "
+         "passively unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set (docs/performance.md).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -67,6 +69,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def main() -> None:
     """Entry point: known errors become one line on stderr and exit code 2."""
     try:
+        runtime.apply()  # torch's thread count; the wait policy was set in k3bundle/cli/__init__.py
         rc = app(standalone_mode=False)  # click returns typer.Exit's code here instead of exiting
         if isinstance(rc, int) and rc:
             sys.exit(rc)
