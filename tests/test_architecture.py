@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("k3bundle", ()),  # the package root: __version__ only
     ("errors", ()),
     ("data_dirs", ()),
+    ("runtime", ("errors",)),
     ("config", ("errors",)),
     ("io", ("errors",)),
     ("formats", ("errors",)),
@@ -45,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("validate", ("k3bundle",) + BASE + ("executor", "bundle", "golden")),
     ("checklist", BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
     ("demo", ("errors", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
-    ("cli", ("k3bundle", "errors", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",
+    ("cli", ("k3bundle", "errors", "runtime", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",
              "bundle", "convert", "check", "golden", "validate", "checklist", "demo")),
     ("__main__", ("cli",)),
 )
