@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("k3bundle", ()),  # the package root: __version__ only
     ("errors", ()),
     ("data_dirs", ()),
+    ("pages", ()),
     ("config", ("errors",)),
     ("io", ("errors",)),
     ("formats", ("errors",)),
@@ -42,10 +43,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("convert", ("k3bundle",) + BASE + ("storage", "layouts", "plan", "bundle")),
     ("check", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
     ("golden", ("k3bundle",) + BASE + ("chat", "tokenizer", "executor", "bundle")),
-    ("validate", ("k3bundle",) + BASE + ("executor", "bundle", "golden")),
-    ("checklist", BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
+    ("validate", ("k3bundle", "pages") + BASE + ("executor", "bundle", "golden")),
+    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
     ("demo", ("errors", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
-    ("cli", ("k3bundle", "errors", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",
+    ("cli", ("k3bundle", "errors", "pages", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",
              "bundle", "convert", "check", "golden", "validate", "checklist", "demo")),
     ("__main__", ("cli",)),
 )
