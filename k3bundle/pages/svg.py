@@ -206,7 +206,7 @@ def stacked_bars(rows: list[tuple[str, list[tuple[float, str, str]], str]], tota
 
     ``marks`` draw vertical lines over every bar (a margin threshold) at their x in value units.
     """
-    left, right, top, bar, gap = 90, 130, 44, 18, 6
+    left, right, top, bar, gap = 130, 110, 44, 18, 6
     pw = w - left - right
     h = top + len(rows) * (bar + gap) + 40
     sx = lambda v: left + max(v, 0) / (total or 1) * pw  # noqa: E731
