@@ -191,7 +191,7 @@ def router_chart(c, n: int, types) -> str:
             "per MoE layer (flips at golden near ties are exempt).</figcaption></figure>")
 
 
-def _summary(rep, n_results: dict) -> str:
+def _summary(rep) -> str:
     rows, cls = [], []
     for c in rep.cases:
         link = f"<a href='#{_anchor(c.name)}'>{esc(c.name)}</a>"
@@ -271,6 +271,6 @@ def to_html(rep) -> str:
                   ("goldens", f"content hash <code>{esc(str(gm.get('content_hash', '?'))[:16])}…</code>, dtype "
                               f"{esc(gm.get('dtype'))}, k3bundle {esc(gm.get('k3bundle_version'))}"),
                   ("report", f"k3bundle {esc(__version__)}, {rep.seconds:.1f} s")]),
-            "<h2>Cases</h2>", _summary(rep, {})]
+            "<h2>Cases</h2>", _summary(rep)]
     body += [_case(rep, c, n, types, tokens.get(c.name)) for c in rep.cases]
     return page(f"k3bundle sign-off: {verdict}", "\n".join(body))
