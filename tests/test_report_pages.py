@@ -213,3 +213,10 @@ def test_report_diff_cli(pages, tmp_path):
     with pytest.raises(ValidateError, match="not readable JSON"):
         (tmp_path / "signoff.json").write_text("{")
         load_signoff(tmp_path)
+
+
+def test_exact_zeros_and_nan_stay_on_a_log_plot():
+    from k3bundle.pages.svg import Axis, Series, line_chart
+    svg = line_chart([Series("emulation", [(0, 0.0), (1, 1e-5), (2, float("nan"))], "#000")],
+                     Axis(-0.5, 2.5), Axis(-6, -4, log=True))
+    assert svg.count("<circle") == 3 + 1 and "r='6'" in svg  # three points (the NaN a ring at the top) + legend

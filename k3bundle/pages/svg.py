@@ -118,7 +118,7 @@ def line_chart(series: list[Series], x: Axis, y: Axis, limits: list[Limit] = (),
     ylo, yhi = y.lo, y.hi
 
     def sy(v: float) -> float:
-        t = math.log10(v) if y.log else v
+        t = (math.log10(v) if v > 0 else ylo) if y.log else v  # exact zeros sit on the bottom edge
         t = min(max(t, ylo), yhi)
         return top + ph - (t - ylo) / ((yhi - ylo) or 1) * ph
 
