@@ -3,8 +3,9 @@
 ``make_checklist(target, config=None, bundle=None, context, batch)`` returns a ``Checklist``:
 capacity (``capacity.py``), roofline lower bounds (``roofline.py``), kernel coverage
 (``kernels.py``), fault paths and soak (``faults.py``) and the sign-off stages, each ticked only
-from evidence (``stages.py``). ``render.to_markdown`` prints it for people, ``Checklist.to_dict``
-for machines; ``write.write_checklist`` writes both. docs/bring-up.md explains every number.
+from evidence (``stages.py``). ``render.to_markdown`` and ``html.to_html`` (a page, with each
+kernel's conformance from the sign-off: ``conformance.py``) are for people, ``Checklist.to_dict``
+for machines; ``write.write_checklist`` writes all three. docs/bring-up.md explains every number.
 """
 
 from k3bundle.checklist.build import CHECKLIST_KIND, DEFAULT_BATCH, DEFAULT_CONTEXT, Checklist, make_checklist

@@ -22,6 +22,7 @@ from k3bundle.cli import convert as convert_cmd
 from k3bundle.cli import verify as verify_cmd
 from k3bundle.cli import trace as trace_cmd
 from k3bundle.cli import checklist as checklist_cmd
+from k3bundle.cli import report as report_cmd
 from k3bundle.errors import K3Error
 
 app = typer.Typer(
@@ -52,6 +53,7 @@ app.command("golden", epilog=_epilog(golden_cmd.EXAMPLES))(golden_cmd.golden)
 app.command("validate", epilog=_epilog(validate_cmd.EXAMPLES))(validate_cmd.validate)
 app.command("demo", epilog=_epilog(demo_cmd.EXAMPLES))(demo_cmd.demo)
 app.command("checklist", epilog=_epilog(checklist_cmd.EXAMPLES))(checklist_cmd.checklist)
+app.add_typer(report_cmd.app, name="report")
 
 
 def _version(value: bool) -> None:

@@ -41,8 +41,8 @@ def checklist(
     if out is None:
         o.result(to_markdown(cl), cl.to_dict())
     else:
-        md, js = save_checklist(cl, out)
-        o.info(f"wrote {md} and {js}")
+        md, js, page = save_checklist(cl, out)
+        o.info(f"wrote {md}, {js} and {page}")
         o.result(cl.summary(), cl.to_dict())
     exit_with(0 if cl.passed else 1)
 

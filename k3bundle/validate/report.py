@@ -1,19 +1,18 @@
 """The sign-off report: ``reports/signoff.json`` (machines), ``.md`` (people), ``.html`` (plots).
 
 Every failure line names the case, mode, tap, metric values and limits, Polygraphy-style; each
-case names its first failing layer and tap. The HTML embeds two SVG plots per case (error per
-layer, KL divergence by position) and needs no network or JavaScript.
+case names its first failing layer and tap. The HTML page is ``validate.html``.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import math
 from pathlib import Path
 
 from k3bundle import __version__
 from k3bundle.io.files import write_atomic
+from k3bundle.validate.html import to_html
 
 SCHEMA_VERSION = 1
 
@@ -44,7 +43,7 @@ def to_json(rep) -> dict:
                 "greedy": None if c.greedy is None else c.greedy.__dict__,
                 "state_drift_max": max((max(v) for v in c.drift.values() if v), default=0.0),
                 "state_drift_limit": c.drift_limit,
-                "kld_by_position": c.kld_by_position,
+                "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
             })
         cases.append(d)
@@ -52,14 +51,6 @@ def to_json(rep) -> dict:
             "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases}
-
-
-def _per_layer(c, mode: str) -> dict[int, float]:
-    worst: dict[int, float] = {}
-    for r in c.results:
-        if r.mode == mode and r.layer is not None and "nmse" in r.values:
-            worst[r.layer] = max(worst.get(r.layer, 0.0), r.values["nmse"])
-    return worst
 
 
 def to_markdown(rep) -> str:
@@ -96,54 +87,6 @@ def to_markdown(rep) -> str:
             if len(bad) > 40:
                 lines.append(f"    … and {len(bad) - 40} more failing checks (signoff.json has all)")
     return "\n".join(lines) + "\n"
-
-
-def _svg_lines(series: dict[str, list[tuple[float, float]]], title: str, log: bool = True,
-               w: int = 560, h: int = 220) -> str:
-    pts = [p for s in series.values() for p in s]
-    if not pts:
-        return ""
-    f = (lambda v: math.log10(max(v, 1e-30))) if log else (lambda v: v)
-    xs, ys = [p[0] for p in pts], [f(p[1]) for p in pts]
-    x0, x1 = min(xs), max(xs) or 1
-    y0, y1 = min(ys), max(ys)
-    y1 = y1 if y1 > y0 else y0 + 1
-    sx = lambda x: 50 + (x - x0) / ((x1 - x0) or 1) * (w - 70)
-    sy = lambda y: h - 30 - (f(y) - y0) / (y1 - y0) * (h - 50)
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img">',
-           f'<text x="{w / 2}" y="14" text-anchor="middle" font-size="12">{html.escape(title)}</text>',
-           f'<line x1="50" y1="{h - 30}" x2="{w - 20}" y2="{h - 30}" stroke="#999"/>',
-           f'<line x1="50" y1="20" x2="50" y2="{h - 30}" stroke="#999"/>',
-           f'<text x="4" y="28" font-size="10">{"1e%.0f" % y1 if log else "%.3g" % y1}</text>',
-           f'<text x="4" y="{h - 32}" font-size="10">{"1e%.0f" % y0 if log else "%.3g" % y0}</text>']
-    for i, (name, s) in enumerate(series.items()):
-        c = colors[i % len(colors)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{path}"/>')
-        out.append(f'<text x="{w - 150}" y="{30 + 14 * i}" font-size="11" fill="{c}">{html.escape(name)}</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def to_html(rep) -> str:
-    md = to_markdown(rep)
-    parts = ["<!doctype html><meta charset='utf-8'><title>k3bundle sign-off</title>",
-             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}pre{white-space:pre-wrap}"
-             ".pass{color:#2ca02c}.fail{color:#d62728}</style>",
-             f"<h1 class='{'pass' if rep.passed else 'fail'}'>Sign-off: {'PASS' if rep.passed else 'FAIL'}</h1>",
-             f"<pre>{html.escape(md)}</pre>"]
-    for c in rep.cases:
-        if c.status == "not run":
-            continue
-        parts.append(f"<h2>{html.escape(c.name)} — {c.status}</h2>")
-        series = {m: sorted(_per_layer(c, m).items()) for m in ("added", "inherited", "emulation")}
-        series = {f"{m} NMSE (worst tap)": s for m, s in series.items() if s}
-        parts.append(_svg_lines(series, "error per layer (log10 NMSE)"))
-        if c.kld_by_position:
-            parts.append(_svg_lines({"KL(golden || device)": list(enumerate(c.kld_by_position))},
-                                    "KL divergence by tapped position (log10 nats)"))
-    return "\n".join(parts) + "\n"
 
 
 def write_reports(rep, out_dir: str | Path) -> list[Path]:

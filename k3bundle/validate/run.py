@@ -37,6 +37,7 @@ class CaseReport:
     drift: dict[str, list[float]] = field(default_factory=dict)
     drift_limit: float = 0.0
     kld_by_position: list[float] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the prompt positions kld_by_position is at
     first_failure: TapResult | None = None
     layer_checks: str = ""  # why teacher-forced checks were skipped, if they were
 
@@ -110,6 +111,7 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
     rep.drift_limit = tol.state.get("drift_nmse", 0.0)
     if "logits" in cand:
         rep.kld_by_position = kld(as_tensor(golden["logits"]), cand["logits"].to(torch.float64)).tolist()
+        rep.positions = [int(p) for p in golden["positions"]] if "positions" in golden else []
     return _finish(rep, tol)
 
 

@@ -1,0 +1,143 @@
+"""The checklist as a page (``reports/checklist.html``): capacity as a stacked bar per rank, the
+roofline tables, kernel coverage with each op's conformance status, fault paths and soak, and the
+nine stages with their evidence or the command that produces what is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from k3bundle.checklist.build import Checklist
+from k3bundle.checklist.capacity import CAPACITY_MARGIN
+from k3bundle.checklist.conformance import kernel_conformance
+from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
+from k3bundle.checklist.quantity import Quantity, gb
+from k3bundle.checklist.roofline import Phase
+from k3bundle.checklist.stages import read_signoff
+from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
+from k3bundle.pages.svg import Mark, stacked_bars
+
+
+def _quantities(rows: list[Quantity]) -> str:
+    return table(["quantity", "value", "formula"],
+                 [[esc(q.label), f"<b>{esc(q.text)}</b>", f"<span class='mono'>{esc(q.formula)}</span>"]
+                  for q in rows], num=(1,))
+
+
+def _cmd(step: str) -> str:
+    return f"<code>{esc(step)}</code>" if step.startswith("k3bundle ") else esc(step)
+
+
+def capacity_chart(cl: Checklist) -> str:
+    """One bar per rank: weights, cache and state for the batch, free, runtime reserve; the line
+    where the free memory would fall below the capacity margin."""
+    plan, cap = cl.plan, cl.capacity
+    hbm, reserve, usable = cap.hbm, cap.reserve, cap.usable
+    by_stage = {s.stage: s for s in cap.stages}
+    rows = []
+    for info, weights in zip(plan.ranks, plan.rank_bytes):
+        cache = by_stage[info.stage].batch_bytes
+        free = usable - weights - cache
+        margin = free / usable
+        segs = [(min(weights, usable), COLOURS["weights"], "weights"),
+                (min(cache, max(usable - weights, 0)), COLOURS["cache"], "cache and state"),
+                (max(free, 0), COLOURS["free"], "free"), (reserve, COLOURS["reserve"], "runtime reserve")]
+        if free < 0:
+            segs.insert(2, (0, COLOURS["fail"], "over"))
+        note = f"margin {margin:.1%}" + (" ✗" if margin < CAPACITY_MARGIN else "")
+        label = f"rank {info.rank}" + (f" (stage {info.stage})" if plan.layout.parallel.pp > 1 else "")
+        rows.append((label, segs, note))
+    need = usable * (1 - CAPACITY_MARGIN)
+    svg = stacked_bars(rows, hbm, [Mark(need, f"{CAPACITY_MARGIN:.0%} margin", COLOURS["fail"])],
+                       legend=[("weights", COLOURS["weights"]), ("cache and state", COLOURS["cache"]),
+                               ("free", COLOURS["free"]), ("runtime reserve", COLOURS["reserve"])])
+    return (f"<figure class='chart capacity'>{svg}<figcaption>HBM per rank ({gb(hbm)}): weights in their stored "
+            f"formats, the KV latent and KDA state for batch {cl.batch:,} × {cl.context:,} tokens, what is left free, "
+            f"and the runtime reserve. Free memory must reach past the dashed line ({CAPACITY_MARGIN:.0%} of the "
+            f"{gb(usable)} usable).</figcaption></figure>")
+
+
+def _phase(ph: Phase, title: str) -> str:
+    parts = [f"<h3>{esc(title)}: batch {ph.batch:,}, context {ph.context:,} tokens</h3>",
+             f"<p><b>{esc(ph.bound.label)} {esc(ph.bound.text)}</b> ({esc(ph.bound_by)}-bound)</p>",
+             _quantities(ph.bytes), _quantities(ph.flops), _quantities([ph.t_memory, ph.t_compute, ph.bound, *ph.extra])]
+    if len(ph.stages) > 1:
+        parts.append(table(["stage", "ranks", "bytes", "FLOPs", "t_memory", "t_compute", "bound"],
+                           [[str(s["stage"]), str(s["ranks"]), gb(s["bytes"]), f"{s['flops']:.3e}",
+                             f"{s['t_memory_s'] * 1e3:.3f} ms", f"{s['t_compute_s'] * 1e3:.3f} ms",
+                             f"{s['bound_s'] * 1e3:.3f} ms"] for s in ph.stages], num=(1, 2, 3, 4, 5, 6)))
+    return "\n".join(parts)
+
+
+def _kernels(cl: Checklist) -> str:
+    signoff, why = read_signoff(Path(cl.bundle)) if cl.bundle else (None, "no bundle given (--bundle)")
+    if signoff is None and cl.bundle:
+        why += f"; run `k3bundle validate {cl.bundle}`"
+    status = {c.op: c for c in kernel_conformance([k.op for k in cl.kernels], signoff, cl.plan.config.text, why)}
+    rows = [[f"<code>{esc(k.op)}</code>", str(k.layers or "–"), badge(status[k.op].status),
+             esc(status[k.op].detail), esc(k.shapes), esc(k.spec)] for k in cl.kernels]
+    return table(["op", "layers", "conformance", "evidence", "shapes per rank", "spec"], rows, cls="sortable",
+                 num=(1,), row_cls=["bad" if status[k.op].status == "fail" else "" for k in cl.kernels])
+
+
+def _stages(cl: Checklist) -> str:
+    items = []
+    for i, s in enumerate(cl.stages, 1):
+        text = (esc(s.evidence) if s.done else
+                f"<b>missing:</b> {esc(s.missing)}" + (f"<br><b>next:</b> {_cmd(s.next)}" if s.next else "")
+                + (f"<br><span class='muted'>so far: {esc(s.evidence)}</span>" if s.evidence else ""))
+        notes = "".join(f"<li>{esc(n)}</li>" for n in s.notes)
+        items.append(f"<tr{'' if s.done else ' class=open'}><td class=num>{i}</td><td>{badge('done' if s.done else 'open')}"
+                     f"</td><td><b>{esc(s.title)}</b></td><td>{text}{f'<ul>{notes}</ul>' if notes else ''}</td></tr>")
+    return ("<table class='stages'><thead><tr><th class=num>#</th><th>status</th><th>stage</th><th>evidence</th>"
+            f"</tr></thead><tbody>{''.join(items)}</tbody></table>")
+
+
+def _faults(cl: Checklist) -> str:
+    by_key = {s.key: s for s in cl.stages}
+    noted = {n.split(":", 1)[0]: n for n in by_key["fault_paths"].notes}
+    rows = [[badge("done" if f.key in noted else "open"), f"{esc(f.title)} <code>{esc(f.key)}</code>",
+             esc(f.inject), esc(f.clear_error), esc(noted.get(f.key, "–"))] for f in FAULT_PATHS]
+    soak = by_key["soak"]
+    return (table(["", "fault", "how to inject", "a clear error path means", "evidence"], rows)
+            + f"<p>Soak (<code>reports/soak.json</code>): {badge('done' if soak.done else 'open')} "
+            + esc(soak.evidence if soak.done else soak.missing) + "</p><ul>"
+            + "".join(f"<li>{esc(k.replace('_', ' '))}: {esc(r)}</li>" for k, r in SOAK_REQUIREMENTS) + "</ul>")
+
+
+def to_html(cl: Checklist) -> str:
+    """The whole checklist as a self-contained page."""
+    lay = cl.plan.layout
+    card, par = lay.card, lay.parallel
+    cap, roof = cl.capacity, cl.roofline
+    verdict = "PASS" if cap.passed else "FAIL"
+    peaks = ", ".join(f"{k} {v / 1e15:g} PFLOP/s" for k, v in card.peak_flops.items())
+    body = [
+        f"<h1><span class='verdict {verdict.lower()}'>{verdict}</span>Bring-up checklist: {esc(cl.target)}</h1>",
+        f"<p class='sub'>capacity {verdict.lower()} · TPOT ≥ {esc(roof.decode.bound.text)} · TTFT ≥ "
+        f"{esc(roof.prefill.bound.text)} · {cl.ticked} of {len(cl.stages)} stages ticked</p>",
+        meta([("target", f"{card.count} × {esc(card.name)}: {gb(card.hbm_bytes)} HBM at "
+                         f"{card.hbm_bandwidth_bytes_per_s / 1e12:g} TB/s, links "
+                         f"{card.link_bandwidth_bytes_per_s / 1e12:g} TB/s, peak {esc(peaks)} per card"),
+              ("parallel", f"tp {par.tp}, attention_dp {par.attention_dp}, ep {par.ep} (moe_tp {par.moe_tp}), "
+                           f"pp {par.pp} (layers per stage {list(cl.plan.stage_layers)})"),
+              ("model", esc(cl.model)), ("bundle", f"<code>{esc(cl.bundle)}</code>" if cl.bundle else "–"),
+              ("workload", f"batch {cl.batch:,} × context {cl.context:,} tokens")]),
+        "<nav class='noprint'><a href='#capacity'>capacity</a> · <a href='#roofline'>roofline</a> · "
+        "<a href='#kernels'>kernels</a> · <a href='#faults'>fault paths</a> · <a href='#stages'>stages</a></nav>",
+        "<h2 id='stages'>Stages (sign-off order)</h2>", _stages(cl),
+        "<h2 id='capacity'>1. Capacity</h2>",
+        f"<div class='callout{' ok' if cap.passed else ''}'>{esc(cap.verdict)}</div>", capacity_chart(cl),
+        _quantities(cap.quantities),
+        "<h2 id='roofline'>2. Roofline lower bounds</h2>",
+        f"<p class='muted'>Decode GEMMs: {roof.gemm_flops_per_token:,.0f} FLOP per token (the schema's active "
+        f"parameters: {roof.active_params:,}). Communication, norms, AttnRes and launch overheads are left out, so "
+        "every number is a lower bound (docs/bring-up.md).</p>",
+        _phase(roof.decode, "Decode (per output token)"), _phase(roof.prefill, "Prefill (to the first token)"),
+        "<h2 id='kernels'>3. Kernel coverage</h2>",
+        "<p class='muted'>Primitives the target must implement (<code>graph_manifest.json</code> custom_ops), shapes "
+        "per rank (T tokens in a step, B requests, S cached tokens); conformance from the checks in "
+        "<code>reports/signoff.json</code> that exercise each op.</p>", _kernels(cl),
+        "<h2 id='faults'>4. Fault paths and soak</h2>", _faults(cl),
+    ]
+    return page(f"k3bundle checklist: {cl.target}", "\n".join(body))
