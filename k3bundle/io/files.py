@@ -91,3 +91,18 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+def link_in_path(root: str | os.PathLike, rel: str | os.PathLike) -> Path | None:
+    """The first component of ``root/rel`` below ``root`` that is a symbolic link (or None).
+
+    A writer that checks this before writing ``rel`` never writes outside ``root`` through a link
+    planted inside it; ``root`` itself is the caller's choice and may be a link."""
+    p = Path(root)
+    for part in Path(rel).parts:
+        p = p / part
+        if p.is_symlink():
+            return p
+        if not p.exists():
+            return None
+    return None
