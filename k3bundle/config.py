@@ -217,7 +217,7 @@ _NESTED: dict[type, dict[str, type]] = {
 
 def _parse_section(cls: type, data: Any, where: str, source: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {where} must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{source}: {where} must be a JSON object, got {json.dumps(data)[:80]}")
     hints = typing.get_type_hints(cls)
     nested = _NESTED.get(cls, {})
     kwargs: dict[str, Any] = {}
@@ -437,6 +437,8 @@ def load_config(path: str | Path) -> K3Config:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    if p.exists() and not p.is_file():  # a FIFO would block the read forever
+        raise ConfigError(f"{p}: not a regular file")
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:

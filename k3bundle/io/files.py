@@ -8,9 +8,11 @@ old destination, if any, is left untouched.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,3 +108,29 @@ def link_in_path(root: str | os.PathLike, rel: str | os.PathLike) -> Path | None
         if not p.exists():
             return None
     return None
+
+
+class NotRegularFile(OSError):
+    """A FIFO, directory, device or socket where a regular file was expected."""
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words ("a FIFO", "a directory", ...)."""
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path``, refusing anything but a regular file. Opened non-blocking
+    so that a FIFO cannot hang the reader; the descriptor returned is blocking again."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return fd
