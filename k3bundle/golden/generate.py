@@ -67,13 +67,17 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
 GOLDEN_FILES = ("golden_intermediates.npz", "golden_inputs.npz", "tolerances.yaml")
 
 
+def _refuse_links(out: Path) -> None:
+    if out.is_symlink() or any((out / n).is_symlink() for n in GOLDEN_FILES):
+        raise GoldenFileError(f"{out}: a symbolic link where goldens would be written; goldens are never "
+                              "written through links: remove it or choose another --out")
+
+
 def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> None:
     """Write the three files, each atomically, never through a link; a failure (a full disk) is a
     one-line error. The two npz files carry the same content hash, so a run cut between them is
     refused by ``validate`` as goldens "from different runs", never judged."""
-    if out.is_symlink() or any((out / n).is_symlink() for n in GOLDEN_FILES):
-        raise GoldenFileError(f"{out}: a symbolic link where goldens would be written; goldens are never "
-                              "written through links: remove it or choose another --out")
+    _refuse_links(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_npz(out / "golden_intermediates.npz", inter, compress=True)
@@ -94,6 +98,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     """
     source = Path(source)
     out = Path(out) if out else source / "validation"
+    _refuse_links(out)
     torch.manual_seed(seed)
     cases = load_cases(cases_dir)
     tol_file = tolerance_path(tolerance)

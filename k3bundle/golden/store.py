@@ -91,6 +91,23 @@ def _declared_npz_size(data: bytes, path: Path) -> int:
     return size
 
 
+def _inflate(data: bytes, limit: int, path: Path) -> bytes:
+    """Decompress in chunks, never holding more than what was really decompressed and never more
+    than ``limit`` + one chunk (a header can claim any size; memory follows the real stream)."""
+    chunks, total = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data) as r:
+            while chunk := r.read(16 << 20):
+                total += len(chunk)
+                if total > limit:
+                    raise GoldenFileError(f"{path}: the zstd stream holds more than the {limit:,} bytes its "
+                                          "header declares")
+                chunks.append(chunk)
+    except zstandard.ZstdError as e:
+        raise GoldenFileError(f"{path}: corrupt zstd stream: {e}") from None
+    return b"".join(chunks)
+
+
 def read_npz(path: str | Path, max_bytes: int = MAX_GOLDEN_BYTES) -> dict[str, np.ndarray]:
     """Every array of a golden npz (plain or zstd). Bounded by what the file declares: a zstd frame
     may expand to at most ``max_bytes`` and to no more than its header says; an npz member to no
@@ -109,10 +126,7 @@ def read_npz(path: str | Path, max_bytes: int = MAX_GOLDEN_BYTES) -> dict[str, n
         if size > max_bytes:
             raise GoldenFileError(f"{path}: the zstd frame declares {size:,} bytes, more than the {max_bytes:,} "
                                   "a golden file may hold")
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
-        except zstandard.ZstdError as e:
-            raise GoldenFileError(f"{path}: corrupt zstd stream: {e}") from None
+        data = _inflate(data, size, path)
         if len(data) != size:
             raise GoldenFileError(f"{path}: the zstd frame gave {len(data):,} bytes, its header declares {size:,}")
     try:
