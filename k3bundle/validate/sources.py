@@ -31,12 +31,12 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
     path = Path(path)
     if ranks not in ("merged", "distributed"):
         raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
+    if dumps is not None and not Path(dumps).is_dir():
+        raise ValidateError(f"{dumps}: --dumps must be a folder of CASE.safetensors files, and this is "
+                            f"{'not a folder' if Path(dumps).exists() else 'missing'}")
     factory = weights_for(path, device)
     if dumps is not None:
         dumps = Path(dumps)
-        if not dumps.is_dir():
-            raise ValidateError(f"{dumps}: --dumps must be a folder of CASE.safetensors files, and this is "
-                                f"{'not a folder' if dumps.exists() else 'missing'}")
         text = load_config(path).text
         return Dumps(dumps, factory, device, vocab=text.vocab_size, experts=text.num_experts)
     if ranks == "distributed":
