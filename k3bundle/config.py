@@ -217,7 +217,7 @@ _NESTED: dict[type, dict[str, type]] = {
 
 def _parse_section(cls: type, data: Any, where: str, source: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {where} must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{source}: {where} must be a JSON object, got {json.dumps(data)[:80]}")
     hints = typing.get_type_hints(cls)
     nested = _NESTED.get(cls, {})
     kwargs: dict[str, Any] = {}
@@ -257,6 +257,50 @@ def _lift_quant_weights(text_config: Any) -> Any:
     elif "weights" not in qc:
         qc["weights"] = None  # reported below as a missing/mistyped field
     return {**text_config, "quantization_config": qc}
+
+
+# Bounds far above any released or planned model (the release: 93 layers, hidden 7168, vocab
+# 163,840, 896 experts) and far below what would exhaust memory while the schema is listed.
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 22  # any width, head count, rank or expert count
+MAX_VOCAB = 1 << 24
+
+
+def _nonfinite(value: Any, path: str) -> tuple[str, float] | None:
+    """The first NaN/Infinity anywhere under ``value`` (JSON allows neither; Python's parser does)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        hit = _nonfinite(v, f"{path}.{k}" if path else str(k))
+        if hit:
+            return hit
+    return None
+
+
+def _check_bounds(t: TextConfig, src: str) -> None:
+    for name, limit in (("num_hidden_layers", MAX_LAYERS), ("vocab_size", MAX_VOCAB)):
+        v = getattr(t, name)
+        _require(v <= limit, src, f"text_config.{name} is {v}, above the supported {limit:,}")
+    for f in dataclasses.fields(t):
+        v = getattr(t, f.name)
+        if f.name in ("num_hidden_layers", "vocab_size") or isinstance(v, bool):
+            continue
+        if isinstance(v, int):
+            _require(v <= MAX_DIM, src, f"text_config.{f.name} is {v}, above the supported {MAX_DIM:,}")
+    la = t.linear_attn_config
+    for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
+        v = getattr(la, name)
+        _require(v <= MAX_DIM, src, f"text_config.linear_attn_config.{name} is {v}, above the supported {MAX_DIM:,}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"duplicate key {json.dumps(key)}")
+        out[key] = value
+    return out
 
 
 def _require(cond: bool, source: str, message: str) -> None:
@@ -351,10 +395,14 @@ def parse_config(data: Any, source: str = "config.json") -> K3Config:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
+    bad = _nonfinite(data, "")
+    if bad:
+        raise ConfigError(f"{source}: {bad[0]} must be a finite number, got {bad[1]}")
     if "text_config" not in data:
         raise ConfigError(f"{source}: required field text_config is missing (a text-only "
                           "kimi_linear config is not a Kimi K3 release config)")
     text = _parse_section(TextConfig, _lift_quant_weights(data["text_config"]), "text_config", source)
+    _check_bounds(text, source)
     _check_text(text, source)
 
     vision = None
@@ -389,6 +437,8 @@ def load_config(path: str | Path) -> K3Config:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    if p.exists() and not p.is_file():  # a FIFO would block the read forever
+        raise ConfigError(f"{p}: not a regular file")
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -396,9 +446,11 @@ def load_config(path: str | Path) -> K3Config:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: cannot read: {e}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     return parse_config(data, source=str(p))
 
 

@@ -35,6 +35,7 @@ from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
 from k3bundle.check.trace import source_key
+from k3bundle.convert.journal import JOURNAL
 from k3bundle.convert.run import LAYOUT_PATH
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
@@ -91,10 +92,14 @@ def _listed_files(bundle: Path, manifest: dict, report: VerifyReport) -> dict[st
             report.fail(f"{f['path']}: {size} bytes, manifest says {f['size']}")
         elif sha != f["sha256"]:
             report.fail(f"{f['path']}: sha256 {sha} does not match the manifest ({f['sha256']})")
-    listed = {f["path"] for f in manifest["files"]} | {MANIFEST_NAME}
+    listed = {f["path"] for f in manifest["files"]} | {MANIFEST_NAME, JOURNAL}
+    if (bundle / JOURNAL).exists():  # the manifest is written before the journal is removed
+        report.fail(f"{JOURNAL}: the conversion did not finish; rerun the same convert command to resume it")
     for p in sorted(bundle.rglob("*")):
         rel = p.relative_to(bundle).as_posix()
-        if p.is_file() and rel not in listed and rel.split("/")[0] not in LATER_DIRS:
+        if p.is_symlink():
+            report.fail(f"{rel}: a symbolic link inside the bundle")
+        elif p.is_file() and rel not in listed and rel.split("/")[0] not in LATER_DIRS:
             report.fail(f"{rel}: not listed in the manifest")
     return actual
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
-import click
 import typer
 
 from k3bundle import __version__, runtime
@@ -68,8 +68,21 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
-def main() -> None:
-    """Entry point: known errors become one line on stderr and exit code 2."""
+def _click_classes(name: str) -> tuple[type[BaseException], ...]:
+    """click's exception class ``name`` wherever the installed typer keeps it: typer itself, plain
+    click, or the copy of click that typer >= 0.17 vendors as ``typer._click``."""
+    modules = [typer]
+    for name_ in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            modules.append(importlib.import_module(name_))
+        except ImportError:
+            pass
+    return tuple({c for m in modules if isinstance(c := getattr(m, name, None), type)})
+
+
+def _run_app() -> None:
+    """Run the app: known errors become one line on stderr and exit code 2; a usage error prints
+    the usage and exits 2, whatever typer or click version is installed."""
     try:
         runtime.apply()  # torch's thread count; the wait policy was set in k3bundle/cli/__init__.py
         rc = app(standalone_mode=False)  # click returns typer.Exit's code here instead of exiting
@@ -82,9 +95,14 @@ def main() -> None:
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except _click_classes("Abort"):
         sys.stderr.write("aborted\n")
         sys.exit(130)
-    except click.ClickException as e:
+    except _click_classes("ClickException") as e:  # usage errors, bad parameters, missing arguments
         e.show()
         sys.exit(2)
+
+
+def main() -> None:
+    """Entry point (``k3bundle`` and ``python -m k3bundle``)."""
+    _run_app()

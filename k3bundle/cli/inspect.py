@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import JsonOpt, Output
+from k3bundle.errors import SafetensorsError
 from k3bundle.io import read_header
 from k3bundle.source import SourceCheckpoint
 
@@ -23,6 +24,8 @@ def inspect(
 ) -> None:
     """Validate a checkpoint (config, index, every shard header, the tensor schema) or one file."""
     out = Output(json_)
+    if not path.exists():
+        raise SafetensorsError(f"{path}: no such file or directory")
     if path.is_dir():
         with SourceCheckpoint(path) as src:
             t = src.schema.totals

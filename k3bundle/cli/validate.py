@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
-from k3bundle.validate.report import to_json, write_reports
+from k3bundle.validate.report import remove_reports, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.sources import open_device
 
@@ -33,10 +33,16 @@ def validate(
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
-    dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps, rank_results=rank_results)
-    with progress_bar("validate", enabled=not json_) as update:
-        rep = run_validate(bundle, dut, progress=update)
-    files = write_reports(rep, out or bundle / "reports")
+    reports = out or bundle / "reports"
+    try:
+        dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
+                          rank_results=rank_results)
+        with progress_bar("validate", enabled=not json_) as update:
+            rep = run_validate(bundle, dut, progress=update)
+    except BaseException:
+        remove_reports(reports)  # an earlier run's PASS must not outlive a run that could not be judged
+        raise
+    files = write_reports(rep, reports)
     lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({device}) against {rep.tolerances.name} tolerances, "
              f"{rep.seconds:.1f} s"]
     for c in rep.cases:

@@ -5,20 +5,22 @@ resolved layout, config.json, the source index and source.json); each further li
 finished unit: the source file (sha256, size, mtime) and every output (path, sha256, size).
 On a rerun, a unit is skipped only if the plan is the same, its source file's size and mtime are
 unchanged, and every output re-hashes to the recorded sha256 — the journal is a claim, never
-trusted on its own. The journal holds an exclusive ``flock`` for the run (one converter per
-bundle) and is deleted just before ``manifest.json`` is written.
+trusted on its own. Before the small files (config, tokenizer, indexes) are written, a line
+lists them too, so that ``--force`` knows every file a partial run may have left. The journal is
+deleted only after ``manifest.json`` is in place: a crash between the two leaves both, and a
+rerun resumes (every unit re-verified, the same manifest rewritten). The run's lock is a
+``flock`` on the bundle folder itself (``convert.run``), taken before the journal is opened.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
 
 from k3bundle.io.files import sha256_file
 from k3bundle.convert.errors import ConvertError
-from k3bundle.convert.unit import UnitResult
+from k3bundle.convert.unit import UnitResult, disk_error
 
 JOURNAL = ".k3bundle-convert.journal"
 
@@ -28,23 +30,22 @@ class Journal:
         self.path = out / JOURNAL
         self.plan_id = plan_id
         self.entries: dict[str, dict] = {}
-        exists = self.path.exists()
-        self._f = open(self.path, "a+", encoding="utf-8")
+        self.files: set[str] = set()  # small files a run announced before writing them
         try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._f.close()
-            raise ConvertError(f"{out}: another k3bundle convert is writing this bundle") from None
-        if exists:
-            self._load(out)
-        else:
-            self._append({"schema_version": 1, "kind": "k3bundle.convert-journal", "plan_id": plan_id})
-
-    def _load(self, out: Path) -> None:
+            self._f = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise disk_error(e, JOURNAL) from None
         self._f.seek(0)
         lines = self._f.read().splitlines()
+        if lines and lines[0].endswith("}"):
+            self._load(out, lines)
+        else:  # new, or killed before its first line was complete: nothing was recorded
+            self._f.truncate(0)
+            self._append({"schema_version": 1, "kind": "k3bundle.convert-journal", "plan_id": plan_id})
+
+    def _load(self, out: Path, lines: list[str]) -> None:
         try:
-            head = json.loads(lines[0]) if lines else {}
+            head = json.loads(lines[0])
         except json.JSONDecodeError:
             head = {}
         if head.get("plan_id") != self.plan_id:
@@ -56,12 +57,23 @@ class Journal:
                 e = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
-            self.entries[e["unit"]] = e
+            if "files" in e:
+                self.files.update(e["files"])
+            elif "unit" in e:
+                self.entries[e["unit"]] = e
 
     def _append(self, doc: dict) -> None:
-        self._f.seek(0, os.SEEK_END)
-        self._f.write(json.dumps(doc, sort_keys=True) + "\n")
-        self._f.flush()
+        try:
+            self._f.seek(0, os.SEEK_END)
+            self._f.write(json.dumps(doc, sort_keys=True) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise disk_error(e, JOURNAL) from None
+
+    def record_files(self, paths: list[str]) -> None:
+        """Announce the small files about to be written (so ``--force`` can remove them later)."""
+        self.files.update(paths)
+        self._append({"files": sorted(paths)})
 
     def record(self, r: UnitResult) -> None:
         doc = {"unit": r.shard, "sha256": r.sha256, "size": r.size, "mtime_ns": r.mtime_ns,
@@ -96,3 +108,25 @@ class Journal:
     def remove(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def recorded(out: Path) -> tuple[str | None, set[str]]:
+    """What a journal in ``out`` records without opening it for writing: (plan id, every path its
+    units and small files wrote). Lines cut short by a kill are skipped."""
+    try:
+        lines = (out / JOURNAL).read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None, set()
+    plan, paths = None, set()
+    for i, line in enumerate(lines):
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(e, dict):
+            continue
+        if i == 0:
+            plan = e.get("plan_id")
+        paths.update(o[0] for o in e.get("outputs", ()) if isinstance(o, list) and o)
+        paths.update(p for p in e.get("files", ()) if isinstance(p, str))
+    return plan, paths

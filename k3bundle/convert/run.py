@@ -4,12 +4,16 @@ Order of work, each step failing closed:
 
 1. check the source (config, index vs every shard header, tensor schema) and ``source.json``
    (every file convert reads must be listed with its size); plan the layout (rules, capacity);
-2. open the output: a new or empty directory, or a partial run of the *same* plan (resume);
+2. lock the output folder (before anything in it is touched), then open it: a new or empty
+   directory, or a partial run of the *same* plan (resume); ``--force`` removes only the files
+   the old manifest or journal lists. No path below ``--out`` is written or resumed through a link;
 3. convert each source file (``k3bundle.convert.unit``), in worker processes when asked; a unit
    the journal records is skipped only after its outputs re-hash to the recorded sha256;
 4. copy config.json / tokenizer / processor files (checked against source.json), write
    ``device_weights/layout.yaml``, ``weights.index.json`` and ``graph_manifest.json``;
-5. write ``manifest.json`` last, atomically. Any failure before it leaves no manifest.
+5. write ``manifest.json`` last, atomically, then delete the journal. Any failure before it leaves
+   no manifest; a kill between the two leaves both, which a rerun resumes. Worker processes die
+   with the parent (Linux ``PR_SET_PDEATHSIG``) and SIGTERM stops the run cleanly.
 
 The bytes of every file depend on the source bytes, the resolved layout and the k3bundle
 version only: not on the worker count, the order units finish in, the time or the paths.
@@ -17,11 +21,16 @@ version only: not on the worker count, the order units finish in, the time or th
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -35,12 +44,12 @@ from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, write_index
 from k3bundle.bundle.manifest import MANIFEST_NAME
 from k3bundle.convert.errors import ConvertError
-from k3bundle.convert.journal import JOURNAL, Journal
+from k3bundle.convert.journal import JOURNAL, Journal, recorded
 from k3bundle.convert.manifest import build_manifest
 from k3bundle.convert.sources import SourceFiles
-from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, run_unit
+from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, disk_error, run_unit
 from k3bundle.io import INDEX_NAME as SOURCE_INDEX
-from k3bundle.io.files import sha256_file, write_atomic
+from k3bundle.io.files import TEMP_SUFFIX, link_in_path, sha256_file, write_atomic
 from k3bundle.layouts import load_layout
 from k3bundle.plan import Plan, plan_for_source
 from k3bundle.plan.files import DEVICE_DIR, shard_files
@@ -76,21 +85,100 @@ def plan_id(plan: Plan, files: SourceFiles) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare_out(out: Path, force: bool) -> None:
+def _lock_out(out: Path) -> int:
+    """Create ``out`` if needed and take the run's lock: an exclusive ``flock`` on the folder itself,
+    before anything in it is read, removed or written. Returns the descriptor holding it."""
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        ours = (out / MANIFEST_NAME).exists() or (out / JOURNAL).exists()
-        if not ours:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConvertError(f"{out}: cannot create or open the output folder: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConvertError(f"{out}: another k3bundle convert is writing this bundle; wait for it to finish "
+                           "or choose another --out") from None
+    return fd
+
+
+def _refuse_links(out: Path, paths: list[str]) -> None:
+    for rel in paths:
+        link = link_in_path(out, rel)
+        if link is not None:
+            raise ConvertError(f"{link}: is a symbolic link inside the bundle; convert never writes or "
+                               "resumes through links: remove it and rerun")
+
+
+def _ours(out: Path) -> set[str]:
+    """Every path the bundle's manifest or journal lists, plus those two files themselves."""
+    paths = {MANIFEST_NAME, JOURNAL}
+    if (out / MANIFEST_NAME).is_file():
+        try:
+            listed = json.loads((out / MANIFEST_NAME).read_bytes())["files"]
+            paths.update(f["path"] for f in listed)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConvertError(f"{out / MANIFEST_NAME}: unreadable, so --force cannot tell k3bundle's files from "
+                               "others; remove the folder yourself or choose another --out") from None
+    paths.update(recorded(out)[1])
+    return {p for p in paths if isinstance(p, str) and not Path(p).is_absolute() and ".." not in Path(p).parts}
+
+
+def _remove_ours(out: Path) -> None:
+    """``--force``: remove only what this bundle's manifest or journal lists (and convert's temp files);
+    the user's other files and folders (notes, ``validation/``, ``reports/``) stay."""
+    ours = sorted(_ours(out))
+    _refuse_links(out, ours)
+    dirs = set()
+    for rel in ours:
+        (out / rel).unlink(missing_ok=True)
+        dirs.update(p for p in (out / rel).parents if p != out and out in p.parents)
+    _remove_temps(out)
+    for d in sorted(dirs, key=lambda p: -len(p.parts)):  # deepest first; only folders left empty
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _remove_temps(out: Path) -> None:
+    device = out / DEVICE_DIR
+    if device.is_dir() and not device.is_symlink():
+        for d in [device, *(p for p in device.iterdir() if p.is_dir() and not p.is_symlink())]:
+            for stale in d.glob(".*"):
+                if stale.is_file() and (stale.name.endswith(TMP_SUFFIX) or stale.name.endswith(TEMP_SUFFIX)):
+                    stale.unlink(missing_ok=True)
+
+
+def _open_out(out: Path, pid: str, force: bool, planned: list[str]) -> Journal:
+    """Decide what ``out`` holds (the lock is already taken) and open the journal.
+
+    Every state a run can leave is handled: empty (start); a journal of this plan, with or without
+    ``manifest.json`` (resume: units re-verified, the rest rewritten); a journal of another plan or a
+    complete bundle (refused, or with ``--force`` replaced: only listed files are removed); anything
+    else is the user's folder and is refused."""
+    _refuse_links(out, [JOURNAL, MANIFEST_NAME, *planned])
+    has_journal, has_manifest = (out / JOURNAL).exists(), (out / MANIFEST_NAME).exists()
+    if any(out.iterdir()):
+        if not (has_journal or has_manifest):
             raise ConvertError(f"{out}: not empty and not a k3bundle bundle; choose an empty or new --out")
-        if force:
-            shutil.rmtree(out)
-        elif (out / MANIFEST_NAME).exists():
-            raise ConvertError(f"{out}: already a complete bundle (manifest.json present); check it with "
-                               f"`k3bundle verify {out}`, or pass --force to convert again")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in (out / DEVICE_DIR).glob(f"*/.*{TMP_SUFFIX}") if (out / DEVICE_DIR).is_dir() else ():
-        stale.unlink()
+        same_plan = has_journal and recorded(out)[0] in (pid, None)
+        if not same_plan:
+            if not force:
+                if has_journal:
+                    raise ConvertError(f"{out}: holds a partial conversion of a different plan (target, source "
+                                       "or options differ); use another --out, or --force to start over")
+                raise ConvertError(f"{out}: already a complete bundle (manifest.json present); check it with "
+                                   f"`k3bundle verify {out}`, or pass --force to convert again")
+            _remove_ours(out)
+            in_the_way = [p for p in planned if (out / p).exists()]
+            if in_the_way:
+                raise ConvertError(f"{out / in_the_way[0]}: in the way: not listed by the bundle's manifest or "
+                                   "journal, so --force leaves it; move it away or choose another --out")
+    _remove_temps(out)
+    return Journal(out, pid)
 
 
 def _check_space(out: Path, needed: int) -> None:
@@ -105,11 +193,39 @@ def _check_space(out: Path, needed: int) -> None:
 _PLAN: Plan | None = None  # the plan a forked worker inherited (see _run_units)
 
 
+def _die_with_parent() -> None:
+    """A worker must not outlive the convert that forked it: orphans would keep the bundle's lock
+    (an inherited descriptor) and keep writing. Linux: the kernel sends SIGKILL when the parent dies."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call above took effect
+        os._exit(1)
+
+
+class Terminated(ConvertError):
+    """SIGTERM: the run stops cleanly (workers ended, temp files removed); a rerun resumes."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated("stopped by SIGTERM; finished files are kept: rerun the same command to resume")
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the workers now rather than wait for their units (``shutdown`` alone waits)."""
+    for p in list((getattr(pool, "_processes", None) or {}).values()):
+        p.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _worker_init(plan: Plan) -> None:
     import torch
 
     global _PLAN
     _PLAN = plan
+    _die_with_parent()
     torch.set_num_threads(1)  # an OpenMP pool inherited through fork must never be entered
 
 
@@ -152,6 +268,7 @@ def _run_units(plan: Plan, shards: list[str], files: SourceFiles, source: Path, 
         except BaseException:
             for fut in pending:
                 fut.cancel()
+            _stop_workers(pool)
             raise
 
 
@@ -185,16 +302,35 @@ def convert(source: str | Path, target: str, out: str | Path, workers: int = 1, 
         raise AssertionError(f"plan leaves source files unread: {missing}")
     files = SourceFiles(source, plan.shards, SOURCE_INDEX)
     pid = plan_id(plan, files)
-    _prepare_out(out, force)
-    journal = Journal(out, pid)
+    planned = [f.path for s in plan.shards for f in shard_files(plan, s)] + _small_files(files)
+    lock = _lock_out(out)
+    sigterm = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if sigterm else None
     try:
-        result = _convert(plan, src, files, source, out, workers, journal, progress, t0)
-    except BaseException:
-        journal.close()
-        for stale in (out / DEVICE_DIR).glob(f"*/.*{TMP_SUFFIX}") if (out / DEVICE_DIR).is_dir() else ():
-            stale.unlink(missing_ok=True)
-        raise
-    return result
+        journal = _open_out(out, pid, force, planned)
+        try:
+            return _convert(plan, src, files, source, out, workers, journal, progress, t0)
+        finally:
+            journal.close()
+            _remove_temps(out)
+    finally:
+        os.close(lock)
+        if sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _small_files(files: SourceFiles) -> list[str]:
+    """The files written after the units, in order; ``manifest.json`` comes after all of them."""
+    return [c.dest for c in files.copies] + [LAYOUT_PATH, INDEX_NAME, GRAPH_NAME]
+
+
+def _write_final(out: Path, rel: str, data: bytes) -> tuple[str, int]:
+    try:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / rel, data)
+    except OSError as e:
+        raise disk_error(e, rel) from None
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path, out: Path, workers: int,
@@ -231,24 +367,21 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
     _run_units(plan, todo, files, source, out, workers, journal, on_done)
 
     # ---- the small files, then the index, the graph manifest and finally the manifest ----
+    journal.record_files(_small_files(files))
     bundle_files: dict[str, tuple[str, int]] = {}
     for r in results.values():
         for path, sha, size in r.outputs:
             bundle_files[path] = (sha, size)
     for c in files.copies:
-        (out / c.dest).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / c.dest, files.read_small(c.source))
-        bundle_files[c.dest] = files.small_digest(c.source)
-    layout_bytes = plan.layout.to_yaml()
-    (out / DEVICE_DIR).mkdir(exist_ok=True)
-    write_atomic(out / LAYOUT_PATH, layout_bytes)
-    bundle_files[LAYOUT_PATH] = (hashlib.sha256(layout_bytes).hexdigest(), len(layout_bytes))
+        bundle_files[c.dest] = _write_final(out, c.dest, files.read_small(c.source))
+    bundle_files[LAYOUT_PATH] = _write_final(out, LAYOUT_PATH, plan.layout.to_yaml())
     shard_digests = {s: {"sha256": results[s].sha256, "size": results[s].size} for s in plan.shards}
-    write_index(out / INDEX_NAME, plan, shard_digests)
-    bundle_files[INDEX_NAME] = sha256_file(out / INDEX_NAME)
-    graph = json_bytes(graph_manifest(plan))
-    write_atomic(out / GRAPH_NAME, graph)
-    bundle_files[GRAPH_NAME] = (hashlib.sha256(graph).hexdigest(), len(graph))
+    try:  # streamed: the full model's index is too big to build in memory first
+        write_index(out / INDEX_NAME, plan, shard_digests)
+        bundle_files[INDEX_NAME] = sha256_file(out / INDEX_NAME)
+    except OSError as e:
+        raise disk_error(e, INDEX_NAME) from None
+    bundle_files[GRAPH_NAME] = _write_final(out, GRAPH_NAME, json_bytes(graph_manifest(plan)))
 
     source_hashes = {s: (d["sha256"], d["size"]) for s, d in shard_digests.items()}
     for name in [SOURCE_INDEX] + [c.source for c in files.copies]:
@@ -256,8 +389,8 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
     requantized = sorted((q for r in results.values() for q in r.nvfp4_requantized), key=lambda q: q["source_key"])
     manifest = build_manifest(plan, files, source_hashes, bundle_files, requantized)
     data = json_bytes(manifest)
-    journal.remove()
-    write_atomic(out / MANIFEST_NAME, data)
+    _write_final(out, MANIFEST_NAME, data)
+    journal.remove()  # after the manifest: a kill in between leaves a resumable state, never neither
     return ConvertResult(out, plan.layout.name, len(plan.ranks), len(bundle_files),
                          sum(s for _, s in bundle_files.values()), total, len(plan.shards), reused,
                          time.monotonic() - t0, sum(len(q["blocks"]) for q in requantized),

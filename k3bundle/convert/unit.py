@@ -32,7 +32,7 @@ import torch
 
 from k3bundle.convert.errors import ConvertError
 from k3bundle.io import read_header
-from k3bundle.io.files import discard, publish, sha256_file
+from k3bundle.io.files import discard, link_in_path, publish, sha256_file
 from k3bundle.plan import Plan, Target
 from k3bundle.plan.files import OutFile, shard_files
 from k3bundle.plan.storage import DevicePart, storage_format
@@ -168,7 +168,7 @@ class _Writer:
             while done < len(view):
                 done += os.pwrite(self.fds[fi], view[done:], base + rel + done)
         except OSError as e:
-            raise _disk_error(e, self.paths[fi]) from None
+            raise disk_error(e, self.paths[fi]) from None
 
     # ---- row formats: a sink's rows of one source part, in groups ----
     def rows(self, sink: Sink, part: str, dtype: str, r0: int, block: np.ndarray) -> None:
@@ -246,7 +246,7 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int, path: Path) -> None:
         done += got
 
 
-def _disk_error(e: OSError, path: str) -> ConvertError:
+def disk_error(e: OSError, path: str) -> ConvertError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ConvertError(f"{path}: {os.strerror(e.errno)} while writing the bundle; free space (or raise "
                             "the limit) and rerun the same command: finished files are kept and re-verified")
@@ -271,10 +271,14 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
     try:
         for f in work.files:
             final = out / f.path
-            final.parent.mkdir(parents=True, exist_ok=True)
+            link = link_in_path(out, f.path)
+            if link is not None:
+                raise ConvertError(f"{link}: is a symbolic link inside the bundle; convert never writes "
+                                   "through links: remove it and rerun")
             tmp = final.with_name(f".{final.name}{TMP_SUFFIX}")
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
                 fds.append(fd)
                 tmps.append(tmp)
                 try:
@@ -285,7 +289,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
                     os.ftruncate(fd, f.size)
                 os.pwrite(fd, f.prefix, 0)
             except OSError as e:
-                raise _disk_error(e, f.path) from None
+                raise disk_error(e, f.path) from None
         writer = _Writer(fds, [f.path for f in work.files])
         st = os.stat(src)
         sha = _read_and_dispatch(work, src, header, writer)
@@ -309,7 +313,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         tmps.clear()
         return UnitResult(work.shard, sha, header.file_size, st.st_mtime_ns, outputs, writer.requantized)
     except OSError as e:  # reads raise ConvertError themselves; this is the output side
-        raise _disk_error(e, str(out)) from None
+        raise disk_error(e, str(out)) from None
     finally:
         for fd in fds:
             os.close(fd)

@@ -14,7 +14,6 @@ from ``tolerances/NAME.yaml``.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,10 @@ from k3bundle.executor import SourceWeights
 from k3bundle.executor.case import run_case
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
+from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.store import content_hash, meta_array, write_npz
 from k3bundle.golden.tolerances import tolerance_path
+from k3bundle.io.files import write_atomic
 from k3bundle.tokenizer import load_tiktoken
 
 MAX_CHUNK_SNAPSHOTS = 8  # KDA states kept per case at evenly spaced chunk boundaries
@@ -72,6 +73,29 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
     return {k: _np(v) for k, v in run.arrays.items()}
 
 
+GOLDEN_FILES = ("golden_intermediates.npz", "golden_inputs.npz", "tolerances.yaml")
+
+
+def _refuse_links(out: Path) -> None:
+    if out.is_symlink() or any((out / n).is_symlink() for n in GOLDEN_FILES):
+        raise GoldenFileError(f"{out}: a symbolic link where goldens would be written; goldens are never "
+                              "written through links: remove it or choose another --out")
+
+
+def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> None:
+    """Write the three files, each atomically, never through a link; a failure (a full disk) is a
+    one-line error. The two npz files carry the same content hash, so a run cut between them is
+    refused by ``validate`` as goldens "from different runs", never judged."""
+    _refuse_links(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_npz(out / "golden_intermediates.npz", inter, compress=True)
+        write_npz(out / "golden_inputs.npz", inputs)
+        write_atomic(out / "tolerances.yaml", tolerances)
+    except OSError as e:
+        raise GoldenFileError(f"{out}: cannot write the goldens: {e.strerror or e}; free space and rerun") from None
+
+
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
                      long_tokens: int | None = None, seed: int = 0,
@@ -83,6 +107,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     """
     source = Path(source)
     out = Path(out) if out else source / "validation"
+    _refuse_links(out)
     torch.manual_seed(seed)
     # goldens are exact float32/float64 arithmetic: no TF32 shortcuts on GPUs (cuBLAS, cuDNN)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -125,10 +150,12 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             "device": str(weights.device), "device_name": _device_name(weights.device),
             "torch_version": torch.__version__, "tolerance": tol_file.name, "content_hash": digest,
             "cases": summary, "source": str(source.resolve()), "chunk": CHUNK}
-    out.mkdir(parents=True, exist_ok=True)
+    for name in sorted(inter):  # a NaN golden would make every device "fail": refuse to write it
+        a = inter[name]
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise GoldenFileError(f"{source}: the forward gave NaN/Inf in {name!r}; check the checkpoint's "
+                                  "weights and config")
     inter["__meta__"] = meta_array(meta)
     inputs["__meta__"] = meta_array(meta)
-    write_npz(out / "golden_intermediates.npz", inter, compress=True)
-    write_npz(out / "golden_inputs.npz", inputs)
-    shutil.copyfile(tol_file, out / "tolerances.yaml")
+    _write_goldens(out, inter, inputs, tol_file.read_bytes())
     return GoldenResult(out, summary, digest, (out / "golden_intermediates.npz").stat().st_size)

@@ -28,6 +28,7 @@ from k3bundle.io.files import write_atomic
 META_KEY = "__meta__"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _EPOCH = (1980, 1, 1, 0, 0, 0)
+MAX_GOLDEN_BYTES = 1 << 40  # far above any case suite; a bound, not a size anyone should reach
 
 
 def content_hash(arrays: dict[str, np.ndarray]) -> str:
@@ -44,7 +45,15 @@ def meta_array(meta: dict) -> np.ndarray:
 
 
 def read_meta(arrays: dict[str, np.ndarray]) -> dict:
-    return json.loads(bytes(arrays[META_KEY]).decode()) if META_KEY in arrays else {}
+    if META_KEY not in arrays:
+        return {}
+    try:
+        meta = json.loads(bytes(arrays[META_KEY]).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise GoldenFileError(f"golden metadata {META_KEY!r} is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise GoldenFileError(f"golden metadata {META_KEY!r} is not a JSON object")
+    return meta
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -70,19 +79,82 @@ def write_npz(path: str | Path, arrays: dict[str, np.ndarray], compress: bool = 
     write_atomic(path, data)
 
 
-def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+def _declared_npz_size(data: bytes, path: Path) -> int:
+    """The decompressed size a zstd frame declares; refused when absent (goldens are written with
+    it) so that a crafted header cannot make the reader allocate without bound."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise GoldenFileError(f"{path}: corrupt zstd frame header: {e}") from None
+    if size < 0:
+        raise GoldenFileError(f"{path}: the zstd frame does not declare its size; rewrite it with `k3bundle golden`")
+    return size
+
+
+def _inflate(data: bytes, limit: int, path: Path) -> bytes:
+    """Decompress in chunks, never holding more than what was really decompressed and never more
+    than ``limit`` + one chunk (a header can claim any size; memory follows the real stream)."""
+    chunks, total = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data) as r:
+            while chunk := r.read(16 << 20):
+                total += len(chunk)
+                if total > limit:
+                    raise GoldenFileError(f"{path}: the zstd stream holds more than the {limit:,} bytes its "
+                                          "header declares")
+                chunks.append(chunk)
+    except zstandard.ZstdError as e:
+        raise GoldenFileError(f"{path}: corrupt zstd stream: {e}") from None
+    return b"".join(chunks)
+
+
+def read_npz(path: str | Path, max_bytes: int = MAX_GOLDEN_BYTES) -> dict[str, np.ndarray]:
+    """Every array of a golden npz (plain or zstd). Bounded by what the file declares: a zstd frame
+    may expand to at most ``max_bytes`` and to no more than its header says; an npz member to no
+    more than the zip directory says. Any malformed container is a one-line ``GoldenFileError``."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise GoldenFileError(f"{path}: not a regular file")
     try:
         data = path.read_bytes()
     except OSError as e:
         raise GoldenFileError(f"{path}: cannot read: {e.strerror}") from None
+    if not data:
+        raise GoldenFileError(f"{path}: empty file; rerun `k3bundle golden`")
     if data[:4] == _ZSTD_MAGIC:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
-        except zstandard.ZstdError as e:
-            raise GoldenFileError(f"{path}: corrupt zstd stream: {e}") from None
+        size = _declared_npz_size(data, path)
+        if size > max_bytes:
+            raise GoldenFileError(f"{path}: the zstd frame declares {size:,} bytes, more than the {max_bytes:,} "
+                                  "a golden file may hold")
+        data = _inflate(data, size, path)
+        if len(data) != size:
+            raise GoldenFileError(f"{path}: the zstd frame gave {len(data):,} bytes, its header declares {size:,}")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise ValueError("a single array, not an npz archive")
             return {k: z[k] for k in z.files}
-    except (ValueError, zipfile.BadZipFile, OSError) as e:
+    except (ValueError, EOFError, zipfile.BadZipFile, OSError, KeyError) as e:
         raise GoldenFileError(f"{path}: not an npz file: {e}") from None
+
+
+def check_goldens(path: str | Path, arrays: dict[str, np.ndarray]) -> dict:
+    """The metadata of a goldens file after checking its content: the recorded content hash must be
+    the hash of the arrays (a tap edited after generation is refused) and every float must be finite
+    (a NaN in a golden is a broken golden, not a device failure). Returns the metadata."""
+    meta = read_meta(arrays)
+    recorded = meta.get("content_hash")
+    data = {k: v for k, v in arrays.items() if k != META_KEY}
+    if not data:
+        raise GoldenFileError(f"{path}: holds no golden arrays; rerun `k3bundle golden`")
+    actual = content_hash(data)
+    if recorded != actual:
+        raise GoldenFileError(f"{path}: content hash {actual[:16]}… does not match the recorded "
+                              f"{str(recorded)[:16]}…: the goldens were changed after they were written; "
+                              "rerun `k3bundle golden`")
+    for name in sorted(data):
+        a = data[name]
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise GoldenFileError(f"{path}: golden {name!r} has {int((~np.isfinite(a)).sum())} NaN/Inf value(s); "
+                                  "regenerate the goldens (check the checkpoint and config)")
+    return meta

@@ -18,6 +18,7 @@ Unknown sections, kinds or metrics are errors: a typo must not silently loosen a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def tolerance_path(name: str) -> Path:
 def _num(v, where: str, path: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ToleranceError(f"{path}: {where} must be a number, got {v!r}")
+    if not math.isfinite(v):  # a NaN limit makes every comparison false: a gate that never closes
+        raise ToleranceError(f"{path}: {where} must be a finite number, got {v!r}")
     return float(v)
 
 

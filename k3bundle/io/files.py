@@ -8,9 +8,11 @@ old destination, if any, is left untouched.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,3 +93,44 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+def link_in_path(root: str | os.PathLike, rel: str | os.PathLike) -> Path | None:
+    """The first component of ``root/rel`` below ``root`` that is a symbolic link (or None).
+
+    A writer that checks this before writing ``rel`` never writes outside ``root`` through a link
+    planted inside it; ``root`` itself is the caller's choice and may be a link."""
+    p = Path(root)
+    for part in Path(rel).parts:
+        p = p / part
+        if p.is_symlink():
+            return p
+        if not p.exists():
+            return None
+    return None
+
+
+class NotRegularFile(OSError):
+    """A FIFO, directory, device or socket where a regular file was expected."""
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words ("a FIFO", "a directory", ...)."""
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path``, refusing anything but a regular file. Opened non-blocking
+    so that a FIFO cannot hang the reader; the descriptor returned is blocking again."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return fd

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping, Union
 
 from k3bundle.errors import SafetensorsError
-from k3bundle.io.files import write_atomic
+from k3bundle.io.files import file_kind, open_regular, write_atomic
 from k3bundle.io.reader import SafetensorsHeader, read_header
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -92,10 +92,12 @@ def read_index(path: PathLike) -> SafetensorsIndex:
     """
     name = _index_path(path)
     try:
-        with open(name, "rb") as f:
+        with os.fdopen(open_regular(name), "rb") as f:
             obj = json.loads(f.read().decode("utf-8"), object_pairs_hook=_unique_pairs)
     except FileNotFoundError:
         raise SafetensorsError(f"{name}: index file not found") from None
+    except OSError as e:
+        raise SafetensorsError(f"{name}: cannot read the index: {e.strerror}") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise SafetensorsError(f"{name}: not a valid JSON index: {e}") from None
     if not isinstance(obj, dict):
@@ -158,6 +160,9 @@ def check_index(directory: PathLike, *, index_name: str = INDEX_NAME) -> IndexCh
     headers: dict[str, SafetensorsHeader] = {}
     for shard in sorted(by_shard):
         path = os.path.join(root, shard)
+        if os.path.exists(path) and not os.path.isfile(path):
+            problems.append(f"shard '{shard}' is {file_kind(os.stat(path).st_mode)}, not a regular file")
+            continue
         if not os.path.isfile(path):
             problems.append(f"missing shard '{shard}' ({len(by_shard[shard])} keys)")
             continue

@@ -37,6 +37,7 @@ import torch
 
 from k3bundle.errors import SafetensorsError
 from k3bundle.io.dtypes import SAFETENSORS_DTYPES, tensor_nbytes
+from k3bundle.io.files import open_regular
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -116,6 +117,14 @@ class _Pairs(list):
     """A JSON object kept as its (key, value) pairs, so duplicates survive parsing."""
 
 
+def _json_type(value: object) -> str:
+    """A parsed JSON value's type in JSON's words (never a Python class name)."""
+    if isinstance(value, _Pairs):
+        return "an object"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            type(None): "null"}.get(type(value), "a value")
+
+
 def _reject_constant(token: str) -> None:
     raise ValueError(f"non-standard JSON constant {token}")
 
@@ -177,7 +186,7 @@ def _metadata(path: str, value: object) -> dict[str, str]:
     for key, item in meta.items():
         if not isinstance(item, str):
             raise SafetensorsError(
-                f"{path}: __metadata__ value for '{key}' is {type(item).__name__}, not a string"
+                f"{path}: __metadata__ value for '{key}' is {_json_type(item)}, not a string"
             )
     return meta
 
@@ -273,6 +282,13 @@ def _parse_header(fd: int, path: str, file_size: int, max_header_bytes: int) -> 
     return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
 
 
+def _open(name: str) -> int:
+    try:
+        return open_regular(name)
+    except OSError as e:
+        raise SafetensorsError(f"{name}: cannot open: {e.strerror}") from None
+
+
 def read_header(
     path: PathLike, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 ) -> SafetensorsHeader:
@@ -290,7 +306,7 @@ def read_header(
         >>> hdr.tensors["lm_head.weight"].shape  # doctest: +SKIP
     """
     name = os.fspath(path)
-    fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    fd = _open(name)
     try:
         return _parse_header(fd, name, os.fstat(fd).st_size, max_header_bytes)
     finally:
@@ -311,7 +327,7 @@ class SafetensorsFile:
 
     def __init__(self, path: PathLike, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._fd = _open(self.path)
         try:
             size = os.fstat(self._fd).st_size
             self.header = _parse_header(self._fd, self.path, size, max_header_bytes)

@@ -95,14 +95,16 @@ class InProcess(Device):
 class Dumps(Device):
     mode = "dumps"
 
-    def __init__(self, directory: Path, weights_for: Callable[[str], object], name: str):
+    def __init__(self, directory: Path, weights_for: Callable[[str], object], name: str,
+                 vocab: int | None = None, experts: int | None = None):
         super().__init__(name)
         self.directory = Path(directory)
+        self.vocab, self.experts = vocab, experts  # the id ranges a dump's tokens and router ids must lie in
         self.weights_for = weights_for
         self.reference: dict[str, object] = {}  # emulation weights per dtype policy, made on demand
 
     def case(self, name, golden, ids):
-        cand = read_dump(self.directory, name, golden)
+        cand = read_dump(self.directory, name, golden, self.vocab, self.experts)
         if not full_positions(golden, ids):
             return CaseOutput(cand, None, "emulation", golden.get, False,
                               "sampled positions: emulation layer checks need every position")

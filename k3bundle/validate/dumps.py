@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.executor.taps import dump_required, layer_of
+from k3bundle.executor.taps import dump_required, layer_of, tap_kind
 from k3bundle.io import SafetensorsFile
 from k3bundle.validate.errors import DumpError
 
@@ -31,10 +31,42 @@ def num_layers(golden: dict) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Load and check ``DIR/CASE.safetensors`` against the case's golden arrays."""
-    path = Path(directory) / f"{case}.safetensors"
-    if not path.is_file():
+def _value_problem(name: str, t: torch.Tensor, want: np.ndarray | None, vocab: int | None,
+                   experts: int | None) -> str | None:
+    """What is wrong with a dumped tensor's dtype or values, if anything: ids must be integers in
+    range (a float or out-of-range id would be judged, or index out of bounds), and a float tap
+    must not arrive as integers (a dump of the wrong tensor, or of a quantized code)."""
+    ids = name == "greedy_tokens" or tap_kind(name) == "router_ids"
+    if ids or (want is not None and want.dtype.kind in "iub"):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            return f"tensor {name!r} has dtype {_dtype(t)}; ids must be integers"
+        bound = vocab if name == "greedy_tokens" else experts if tap_kind(name) == "router_ids" else None
+        if t.numel() and int(t.min()) < 0:
+            return f"tensor {name!r} holds a negative id ({int(t.min())})"
+        if bound is not None and t.numel() and int(t.max()) >= bound:
+            return f"tensor {name!r} holds id {int(t.max())}, outside 0..{bound - 1}"
+        return None
+    if not t.dtype.is_floating_point:
+        return f"tensor {name!r} has dtype {_dtype(t)}; this tap holds floats (BF16, F16 or F32)"
+    if not bool(torch.isfinite(t).all()):
+        return f"tensor {name!r} has {int((~torch.isfinite(t)).sum())} NaN/Inf value(s)"
+    return None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], vocab: int | None = None,
+              experts: int | None = None) -> dict[str, torch.Tensor]:
+    """Load and check ``DIR/CASE.safetensors`` against the case's golden arrays: names, shapes,
+    dtypes and id ranges (``vocab`` for greedy tokens, ``experts`` for router ids)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DumpError(f"{directory}: --dumps must be a folder of CASE.safetensors files, "
+                        f"and this is {'a file' if directory.exists() else 'missing'}")
+    path = directory / f"{case}.safetensors"
+    if not path.exists():
         raise DumpError(f"{path}: missing dump for case {case!r}")
     problems: list[str] = []
     out: dict[str, torch.Tensor] = {}
@@ -49,16 +81,12 @@ def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray]) -
                 continue
             t = f.get(name)
             want = golden.get(name)
-            if name == "step_logits" and "step_logits" in golden:
-                want = golden["step_logits"]
-            if name == "greedy_tokens":
-                want = golden.get("greedy_tokens")
             if want is not None and tuple(t.shape) != tuple(want.shape):
                 problems.append(f"tensor {name!r} has shape {list(t.shape)}, the golden has {list(want.shape)}")
                 continue
-            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                problems.append(f"tensor {name!r} has {bad} NaN/Inf value(s)")
+            bad = _value_problem(name, t, want, vocab, experts)
+            if bad:
+                problems.append(bad)
                 continue
             out[name] = t
     if problems:

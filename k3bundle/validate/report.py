@@ -12,6 +12,7 @@ from pathlib import Path
 
 from k3bundle import __version__
 from k3bundle.io.files import write_atomic
+from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.html import to_html
 
 SCHEMA_VERSION = 1
@@ -89,11 +90,33 @@ def to_markdown(rep) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(rep, out_dir: str | Path) -> list[Path]:
+REPORT_NAMES = ("signoff.json", "signoff.md", "signoff.html")
+
+
+def remove_reports(out_dir: str | Path) -> None:
+    """Remove an earlier run's reports: a run that could not be judged must not leave them in place."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and not out.is_symlink():
+        for name in REPORT_NAMES:
+            p = out / name
+            if p.is_file() or p.is_symlink():
+                p.unlink()
+
+
+def write_reports(rep, out_dir: str | Path) -> list[Path]:
+    """Write the three reports (each atomically). Never through a link; on a failure (a full disk)
+    none of them is left, so an old report cannot pass for this run's."""
+    out = Path(out_dir)
+    if out.is_symlink():
+        raise ValidateError(f"{out}: is a symbolic link; reports are never written through links")
     files = {"signoff.json": (json.dumps(to_json(rep), indent=2, sort_keys=True) + "\n").encode(),
              "signoff.md": to_markdown(rep).encode(), "signoff.html": to_html(rep).encode()}
-    for name, data in files.items():
-        write_atomic(out / name, data)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_reports(out)
+        for name, data in files.items():
+            write_atomic(out / name, data)
+    except OSError as e:
+        remove_reports(out)
+        raise ValidateError(f"{out}: cannot write the reports: {e.strerror or e}") from None
     return [out / n for n in files]

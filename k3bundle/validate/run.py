@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from k3bundle.golden.errors import GoldenFileError
-from k3bundle.golden.store import read_meta, read_npz
+from k3bundle.golden.store import check_goldens, read_meta, read_npz
 from k3bundle.golden.tolerances import Tolerances, load_tolerances
 from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure
 from k3bundle.validate.devices import Device, as_tensor
@@ -71,9 +72,17 @@ def load_goldens(validation: Path) -> tuple[dict, dict, dict, Tolerances]:
             raise ValidateError(f"{validation / name}: missing; run `k3bundle golden` first")
     inputs = read_npz(validation / "golden_inputs.npz")
     inter = read_npz(validation / "golden_intermediates.npz")
-    meta = read_meta(inter)
+    meta = check_goldens(validation / "golden_intermediates.npz", inter)
     if read_meta(inputs).get("content_hash") != meta.get("content_hash"):
         raise GoldenFileError(f"{validation}: golden_inputs.npz and golden_intermediates.npz come from different runs")
+    for entry in meta.get("cases", []):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or (entry.get("status") == "ok" and f"{name}/ids" not in inputs):
+            raise GoldenFileError(f"{validation / 'golden_inputs.npz'}: lacks the ids of case {name!r}")
+        if entry.get("status") == "ok" and not np.array_equal(inputs.get(f"{name}/greedy_tokens"),
+                                                              inter.get(f"{name}/greedy_tokens")):
+            raise GoldenFileError(f"{validation / 'golden_inputs.npz'}: greedy tokens of case {name!r} differ "
+                                  "from golden_intermediates.npz; rerun `k3bundle golden`")
     return inputs, inter, meta, load_tolerances(validation / "tolerances.yaml")
 
 

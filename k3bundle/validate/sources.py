@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3bundle.bundle.weights import BundleWeights
+from k3bundle.config import load_config
 from k3bundle.executor import SourceWeights
 from k3bundle.validate.devices import Device, Dumps, InProcess
 from k3bundle.validate.distributed import Distributed
@@ -30,9 +31,14 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
     path = Path(path)
     if ranks not in ("merged", "distributed"):
         raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
+    if dumps is not None and not Path(dumps).is_dir():
+        raise ValidateError(f"{dumps}: --dumps must be a folder of CASE.safetensors files, and this is "
+                            f"{'not a folder' if Path(dumps).exists() else 'missing'}")
     factory = weights_for(path, device)
     if dumps is not None:
-        return Dumps(Path(dumps), factory, device)
+        dumps = Path(dumps)
+        text = load_config(path).text
+        return Dumps(dumps, factory, device, vocab=text.vocab_size, experts=text.num_experts)
     if ranks == "distributed":
         if not (path / "manifest.json").is_file():
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
