@@ -1,12 +1,22 @@
-"""Build a bundle's ``manifest.json`` (its fields: ``k3bundle.bundle.manifest``, docs/bundle-format.md)."""
+"""Build a bundle's ``manifest.json`` (its fields: ``k3bundle.bundle.manifest``, docs/bundle-format.md)
+and the quantization description its layout's convention reads (``convention_file``)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 from k3bundle import __version__
+from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.manifest import MANIFEST_KIND, MANIFEST_SCHEMA_VERSION
 from k3bundle.convert.sources import SourceFiles
 from k3bundle.io.files import sha256_file
 from k3bundle.plan import Plan
+from k3bundle.plan.files import DEVICE_DIR
+from k3bundle.plan.storage import storage_format
+from k3bundle.schema import Role
+from k3bundle.schema.roles import Scope
+from k3bundle.storage import CONVENTIONS, MODELOPT, STORAGE
 
 
 def _source_files(files: SourceFiles, read: dict[str, tuple[str, int]]) -> list[dict]:
@@ -50,3 +60,56 @@ def build_manifest(plan: Plan, files: SourceFiles, read: dict[str, tuple[str, in
         "nvfp4_requantized": requantized,
         "files": [{"path": p, "sha256": sha, "size": size} for p, (sha, size) in sorted(bundle_files.items())],
     }
+
+
+# ------------------------------------------------------------------------------------------
+# The convention's quantization description, beside the device weights (docs/bundle-format.md
+# "Conventions"). config.json stays the release's byte for byte; this file says what the device
+# tensors hold, in the layout's convention's own format.
+
+
+def _module_glob(plan: Plan, role: Role) -> str:
+    """The module names of every instance of ``role`` on the device, as a glob (``*`` = an id)."""
+    stacked = plan.layout.stack_experts and role.scope is Scope.EXPERT
+    return plan.schema.device_name(role, "*", None if stacked else "*", "", stacked=stacked)
+
+
+def _ct_regex(glob: str) -> str:
+    return "re:^" + re.escape(glob).replace(r"\*", "[0-9]+") + "$"
+
+
+def _roles_by_storage(plan: Plan) -> dict[str, list[Role]]:
+    roles = sorted({role.role: role for role, _ in plan.schema.instances()}.values(), key=lambda r: r.role)
+    by: dict[str, list[Role]] = {}
+    for role in roles:
+        by.setdefault(storage_format(plan.layout.rule_for(role), role).name, []).append(role)
+    return by
+
+
+def convention_file(plan: Plan) -> tuple[str, bytes]:
+    """(bundle path, bytes) of the quantization description the layout's convention reads."""
+    conv = CONVENTIONS[plan.layout.convention]
+    by = _roles_by_storage(plan)
+    quantized = {name: roles for name, roles in by.items() if STORAGE[name].described}
+    if conv.name == MODELOPT:
+        algos = {json.dumps(STORAGE[name].described[conv.name], sort_keys=True) for name in quantized}
+        algo = json.loads(algos.pop()) if len(algos) == 1 else {"quant_algo": None}
+        linear = [r for name, roles in by.items() if name not in quantized for r in roles
+                  if r.template.endswith(".weight") and len(r.shape) == 2]
+        doc = {"producer": {"name": "k3bundle", "version": __version__},
+               "quantization": {**algo, "kv_cache_quant_algo": None,
+                                "exclude_modules": sorted(_module_glob(plan, r) for r in linear)}}
+    else:
+        groups = {}
+        for name in sorted(quantized):
+            d = STORAGE[name].described[conv.name]
+            groups[f"group_{len(groups)}"] = {
+                "targets": sorted(_ct_regex(_module_glob(plan, r)) for r in quantized[name]),
+                "weights": d["weights"], "input_activations": None, "output_activations": None,
+                "format": d["format"]}
+        formats = {g["format"] for g in groups.values()}
+        doc = {"quant_method": "compressed-tensors",
+               "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+               "quantization_status": "compressed", "config_groups": groups, "ignore": [],
+               "kv_cache_scheme": None}
+    return f"{DEVICE_DIR}/{conv.file}", json_bytes(doc)

@@ -36,7 +36,7 @@ from k3bundle.bundle.index import INDEX_NAME, write_index
 from k3bundle.bundle.manifest import MANIFEST_NAME
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal
-from k3bundle.convert.manifest import build_manifest
+from k3bundle.convert.manifest import build_manifest, convention_file
 from k3bundle.convert.sources import SourceFiles
 from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, run_unit
 from k3bundle.io import INDEX_NAME as SOURCE_INDEX
@@ -243,6 +243,9 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
     (out / DEVICE_DIR).mkdir(exist_ok=True)
     write_atomic(out / LAYOUT_PATH, layout_bytes)
     bundle_files[LAYOUT_PATH] = (hashlib.sha256(layout_bytes).hexdigest(), len(layout_bytes))
+    quant_path, quant_bytes = convention_file(plan)  # the device weights' quantization, in the convention's file
+    write_atomic(out / quant_path, quant_bytes)
+    bundle_files[quant_path] = (hashlib.sha256(quant_bytes).hexdigest(), len(quant_bytes))
     shard_digests = {s: {"sha256": results[s].sha256, "size": results[s].size} for s in plan.shards}
     write_index(out / INDEX_NAME, plan, shard_digests)
     bundle_files[INDEX_NAME] = sha256_file(out / INDEX_NAME)
