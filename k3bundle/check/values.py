@@ -95,6 +95,8 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
     conv = CONVENTIONS[bw.convention]
     requantized = {q["source_key"]: q["blocks"] for q in manifest.get("nvfp4_requantized", [])}
     instances = slices = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small tensors: intra-op threads only contend
     try:
         for role, layer, expert in _instances(index, bw.config.text.num_experts):
             got = bw.slices(role, layer, expert)
@@ -123,6 +125,7 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
                          f"{int(bad.sum())} of {bad.numel()} values off, e.g. {float(value[tuple(at)]):.6g} "
                          f"for {float(want[tuple(at)]):.6g} at {at}")
     finally:
+        torch.set_num_threads(threads)
         bw.close()
     return instances, slices
 

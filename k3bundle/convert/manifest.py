@@ -14,7 +14,7 @@ from k3bundle.io.files import sha256_file
 from k3bundle.plan import Plan
 from k3bundle.plan.files import DEVICE_DIR
 from k3bundle.plan.storage import storage_format
-from k3bundle.schema import Role
+from k3bundle.schema import Format, Role
 from k3bundle.schema.roles import Scope
 from k3bundle.storage import CONVENTIONS, MODELOPT, STORAGE
 
@@ -68,43 +68,58 @@ def build_manifest(plan: Plan, files: SourceFiles, read: dict[str, tuple[str, in
 # tensors hold, in the layout's convention's own format.
 
 
-def _module_glob(plan: Plan, role: Role) -> str:
-    """The module names of every instance of ``role`` on the device, as a glob (``*`` = an id)."""
+def _module_glob(plan: Plan, role: Role, layer: int | str = "*") -> str:
+    """The module names of ``role``'s instances on the device as a glob (``*`` = any layer / expert)."""
     stacked = plan.layout.stack_experts and role.scope is Scope.EXPERT
-    return plan.schema.device_name(role, "*", None if stacked else "*", "", stacked=stacked)
+    return plan.schema.device_name(role, layer, None if stacked else "*", "", stacked=stacked)
 
 
 def _ct_regex(glob: str) -> str:
     return "re:^" + re.escape(glob).replace(r"\*", "[0-9]+") + "$"
 
 
-def _roles_by_storage(plan: Plan) -> dict[str, list[Role]]:
-    roles = sorted({role.role: role for role, _ in plan.schema.instances()}.values(), key=lambda r: r.role)
-    by: dict[str, list[Role]] = {}
-    for role in roles:
-        by.setdefault(storage_format(plan.layout.rule_for(role), role).name, []).append(role)
-    return by
+def _module_globs(plan: Plan) -> dict[str, list[str]]:
+    """Storage name -> globs of the modules stored in it. Roles of different layer kinds may share
+    a module name (``self_attn.g_proj`` in KDA and MLA layers); where such roles are stored
+    differently, their globs name each layer."""
+    layers: dict[str, set] = {}
+    roles: dict[str, Role] = {}
+    for role, layer in plan.schema.instances():
+        if role.fmt is not Format.MXFP4 and not role.template.endswith(".weight"):
+            continue  # not a module's weight (A_log, dt_bias, ...): no module to name
+        roles[role.role] = role
+        layers.setdefault(role.role, set()).add(layer)
+    storage = {name: storage_format(plan.layout.rule_for(r), r).name for name, r in roles.items()}
+    by_glob: dict[str, set[str]] = {}
+    for name, r in roles.items():
+        by_glob.setdefault(_module_glob(plan, r), set()).add(storage[name])
+    out: dict[str, list[str]] = {}
+    for name in sorted(roles):
+        r, glob = roles[name], _module_glob(plan, roles[name])
+        if len(by_glob[glob]) == 1:
+            out.setdefault(storage[name], []).append(glob)
+        else:
+            out.setdefault(storage[name], []).extend(_module_glob(plan, r, x) for x in sorted(layers[name]))
+    return {k: sorted(set(v)) for k, v in out.items()}
 
 
 def convention_file(plan: Plan) -> tuple[str, bytes]:
     """(bundle path, bytes) of the quantization description the layout's convention reads."""
     conv = CONVENTIONS[plan.layout.convention]
-    by = _roles_by_storage(plan)
-    quantized = {name: roles for name, roles in by.items() if STORAGE[name].described}
+    by = _module_globs(plan)
+    quantized = {name: globs for name, globs in by.items() if STORAGE[name].described}
     if conv.name == MODELOPT:
         algos = {json.dumps(STORAGE[name].described[conv.name], sort_keys=True) for name in quantized}
         algo = json.loads(algos.pop()) if len(algos) == 1 else {"quant_algo": None}
-        linear = [r for name, roles in by.items() if name not in quantized for r in roles
-                  if r.template.endswith(".weight") and len(r.shape) == 2]
+        kept = sorted(g for name, globs in by.items() if name not in quantized for g in globs)
         doc = {"producer": {"name": "k3bundle", "version": __version__},
-               "quantization": {**algo, "kv_cache_quant_algo": None,
-                                "exclude_modules": sorted(_module_glob(plan, r) for r in linear)}}
+               "quantization": {**algo, "kv_cache_quant_algo": None, "exclude_modules": kept}}
     else:
         groups = {}
         for name in sorted(quantized):
             d = STORAGE[name].described[conv.name]
             groups[f"group_{len(groups)}"] = {
-                "targets": sorted(_ct_regex(_module_glob(plan, r)) for r in quantized[name]),
+                "targets": [_ct_regex(g) for g in quantized[name]],
                 "weights": d["weights"], "input_activations": None, "output_activations": None,
                 "format": d["format"]}
         formats = {g["format"] for g in groups.values()}
