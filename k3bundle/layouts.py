@@ -29,7 +29,7 @@ from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
 from k3bundle.schema.roles import ROLES, Role
-from k3bundle.storage import LAYOUT_NAMES
+from k3bundle.storage import CONVENTIONS, LAYOUT_NAMES, storage_for
 
 LAYOUT_SCHEMA_VERSION = 1
 
@@ -97,6 +97,7 @@ class FormatRule:
     pattern: str
     format: str
     scale_rule: str | None = None  # formats that take one (mxfp4-from-bf16): floor / rceil / even
+    convention: str = "compressed-tensors"  # the layout's tensor convention (names, scale semantics)
 
     def as_yaml(self) -> Any:
         return {"format": self.format, "scale_rule": self.scale_rule} if self.scale_rule else self.format
@@ -109,6 +110,7 @@ class Layout:
     card: Card
     parallel: Parallel
     formats: tuple[FormatRule, ...]
+    convention: str = "compressed-tensors"
     scale_layout: str = "row-major"
     stack_experts: bool = False
     padding: dict[str, int] = field(default_factory=dict)
@@ -123,7 +125,7 @@ class Layout:
         for rule in self.formats:
             if fnmatch.fnmatchcase(role.role, rule.pattern):
                 return rule
-        return FormatRule("", "source")
+        return FormatRule("", "source", convention=self.convention)
 
     @property
     def swizzled(self) -> bool:
@@ -158,6 +160,7 @@ class Layout:
                          "pp": p.pp, "pp_layers": None if p.pp_layers is None else list(p.pp_layers),
                          "expert_placement": p.expert_placement},
             "formats": {r.pattern: r.as_yaml() for r in self.formats},
+            "convention": self.convention,
             "scale_layout": self.scale_layout,
             "stack_experts": self.stack_experts,
             "padding": dict(self.padding),
@@ -304,9 +307,9 @@ def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
     return par
 
 
-def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
+def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
     if data is None:
-        return (FormatRule("*", "source"),)
+        return (FormatRule("*", "source", convention=conv),)
     if not isinstance(data, dict):
         p.add("layout-field", f"formats must be a mapping of role pattern -> format, got {type(data).__name__}")
         return ()
@@ -335,15 +338,20 @@ def _formats(data: Any, p: _Problems) -> tuple[FormatRule, ...]:
             p.add("format-pattern-unused", f"{where} matches no tensor role (roles look like "
                                            "'kda.q_proj', 'moe.expert.w1'; docs/layouts.md lists them)")
             continue
-        rules.append(FormatRule(pattern, fmt, rule))
+        rules.append(FormatRule(pattern, fmt, rule, conv))
     out = tuple(rules)
-    # every role gets the format of its first matching rule; that format must fit the role
-    probe = Layout("", "", Card("", 1, 1, 1, 1, {}), Parallel(1), out)
+    # every role gets the format of its first matching rule; that format must fit the role and
+    # be one the layout's convention can name
+    probe = Layout("", "", Card("", 1, 1, 1, 1, {}), Parallel(1), out, conv)
     for role in ROLES:
         r = probe.rule_for(role)
         why = LAYOUT_NAMES[r.format].fits(r.format, role)
         if why:
             p.add("format-source-dtype", f"formats[{r.pattern!r}]: {why}")
+        elif conv in CONVENTIONS and storage_for(r.format, role).name not in CONVENTIONS[conv].formats:
+            p.add("format-convention", f"formats[{r.pattern!r}]: {role.role} would be stored "
+                                       f"{storage_for(r.format, role).name}, which the {conv} convention cannot "
+                                       f"name (it names {', '.join(CONVENTIONS[conv].formats)})")
     return out
 
 
@@ -356,7 +364,7 @@ def parse_layout(data: Any, source: str = "layout") -> Layout:
     if not isinstance(data, dict):
         raise LayoutError(f"{source}: a layout must be a YAML mapping, got {type(data).__name__}", ["layout-field"])
     d = _section(data, "", ("schema_version", "name", "description", "card", "parallel", "formats",
-                            "scale_layout", "stack_experts", "padding", "files", "memory"), p)
+                            "convention", "scale_layout", "stack_experts", "padding", "files", "memory"), p)
     if d.get("schema_version") != LAYOUT_SCHEMA_VERSION:
         p.add("layout-field", f"schema_version must be {LAYOUT_SCHEMA_VERSION}, got {d.get('schema_version')!r}")
     name = d.get("name")
@@ -369,7 +377,12 @@ def parse_layout(data: Any, source: str = "layout") -> Layout:
         description = ""
     card = _card(d.get("card"), p)
     par = _parallel(d.get("parallel"), card.count, p)
-    formats = _formats(d.get("formats"), p)
+    conv = d.get("convention", "compressed-tensors")  # the release's own convention
+    if conv not in CONVENTIONS:
+        p.add("layout-field", f"convention must be one of {', '.join(CONVENTIONS)} (the names and scale "
+                              f"semantics of the device tensors), got {conv!r}")
+        conv = "compressed-tensors"
+    formats = _formats(d.get("formats"), conv, p)
     scale_layout = d.get("scale_layout", "row-major")
     if scale_layout not in SCALE_LAYOUTS:
         p.add("layout-field", f"scale_layout {scale_layout!r} is not one of {', '.join(SCALE_LAYOUTS)}")
@@ -400,7 +413,7 @@ def parse_layout(data: Any, source: str = "layout") -> Layout:
         p.add("layout-field", f"memory.runtime_reserve_bytes ({reserve}) must be below card.hbm_bytes "
                               f"({card.hbm_bytes})")
     p.raise_if_any()
-    return Layout(name, description, card, par, formats, scale_layout, stack, pads, max_bytes, align,
+    return Layout(name, description, card, par, formats, conv, scale_layout, stack, pads, max_bytes, align,
                   int(reserve), path=source)
 
 

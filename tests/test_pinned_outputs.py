@@ -21,12 +21,12 @@ import pytest
 from tests._bundles import SHIPPED, bundles, one_torch_thread, single_threaded_torch  # noqa: F401
 
 BUNDLE_DIGESTS = {
-    "b200-tp8-pp2": "a3aabdfa3075701b546c015bf5d4ddbbcbc350393952a172b54cc3fee502a2c7",
-    "b300-tp8": "096b75c5eec5b893aab3a04512919c906a67fcde92e334e435078fccd9b4a168",
-    "gb300-dep16": "168e689b3ad4e86e8dd729bcd533d9e14fed08133668175c5ae44c1fc7901f47",
-    "h200-tp16-ep16": "afb5d17ca65b3a5059b7cb5de233e88df9422622bd840ffd72e3961620ef7b23",
-    "mi355x-tp8": "1959018aa3ad0822aadb52901f012709bd876534554d7d4b9bc6225112155ef6",
-    "new-accelerator.example": "3c45c68c00370e42a71bb90c1a91097c4218436d436c71b7472bf61f5fe09a0c",
+    "b200-tp8-pp2": "55c8303f81c6ad6fdb298575995d6844c3b9de08c1cdf202da86f10b72428e24",
+    "b300-tp8": "75235701d82dd335b9b974250fd9d252880a2a1046c487a62a1a3ccd0801aec3",
+    "gb300-dep16": "99b9e7a49db11384c26b6c2299c200eded3ed2a802601ed68b3e4a72a48a3dda",
+    "h200-tp16-ep16": "e3197e0b65508f814bc7d383d55473d9131ea3e2564880611c2c2d20ab9f0d65",
+    "mi355x-tp8": "d1785d57c700a07f1741c8d45cb8913f1fe662a7b458bd52de3b33c4e4abc9bd",
+    "new-accelerator.example": "afae000c4a39d9261d7b240cdd65ec99706be622850614fb95e6a4a16370b1d3",
 }
 # synth tiny seed 0, goldens of the checkpoint with the long-context case at 256 tokens
 GOLDEN_CONTENT_HASH_1_THREAD = "85516e13da23a8a762d7fe7573b04cdd931087778d1c2d5c3fdffffd2f6576e1"

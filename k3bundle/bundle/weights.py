@@ -3,7 +3,9 @@
 The executor (``k3bundle.executor``) asks for tensors by schema role. Here each request is
 answered from ``weights.index.json``: the device tensors of that role instance are read from
 the rank files (only their byte ranges; one expert's bytes out of a stacked tensor), decoded
-from their stored format exactly (MXFP4 / NVFP4 / FP8 dequantization, scale un-swizzling),
+from their stored format exactly (MXFP4 / NVFP4 / FP8 dequantization, scale un-swizzling), as
+the bundle's declared tensor convention names them and defines their scales (an NVFP4
+``weight_global_scale`` is read as compressed-tensors defines it, ``weight_scale_2`` as ModelOpt does),
 stripped of padding, and either
 
 - **merged**: placed at their logical rows/cols, so the executor sees the original tensor
@@ -31,7 +33,7 @@ from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, 
 from k3bundle.io import SafetensorsFile
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
-from k3bundle.storage import STORAGE
+from k3bundle.storage import CONVENTIONS, STORAGE, StorageFormat
 
 
 class _Files:
@@ -55,12 +57,21 @@ class _Files:
         return t.reshape(entry["shape"][1:])
 
 
-def _decode(parts: dict[str, torch.Tensor], entry: dict, out_dtype: torch.dtype) -> torch.Tensor:
-    """One (rank, role instance[, expert]) slice back to logical values, padding included."""
+def read_format(entry: dict, convention: str) -> StorageFormat:
+    """The storage format of an index entry, reading its tensors as ``convention`` names them."""
     fmt = STORAGE.get(entry["storage"])
     if fmt is None:
         raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {entry['storage']!r}")
-    return fmt.decode(parts, out_dtype)
+    return fmt.under(convention)
+
+
+def bundle_convention(manifest: dict, where: str | Path) -> str:
+    """The tensor convention a bundle's resolved layout declares (docs/bundle-format.md "Conventions")."""
+    name = manifest.get("layout", {}).get("resolved", {}).get("convention")
+    if name not in CONVENTIONS:
+        raise BundleError(f"{where}: manifest.json declares no known tensor convention ({name!r}); the bundle "
+                          "predates conventions or is damaged: convert it again")
+    return name
 
 
 def _unpad(t: torch.Tensor, src: dict) -> torch.Tensor:
@@ -88,6 +99,7 @@ class BundleWeights(WeightSource):
         self.root = Path(bundle)
         if not (self.root / "manifest.json").is_file():
             raise BundleError(f"{self.root}: no manifest.json; the bundle is incomplete (convert did not finish)")
+        self.convention = bundle_convention(json.loads((self.root / "manifest.json").read_text()), self.root)
         self.config = load_config(self.root / "config.json")
         self.schema = Schema(self.config)
         self.policy = policy(dtype)
@@ -115,8 +127,9 @@ class BundleWeights(WeightSource):
     def _dtype(self, role: str) -> torch.dtype:
         return self.policy.f32 if ROLE_BY_NAME[role].fmt is Format.F32 else self.policy.weight
 
-    def _slices(self, role: str, layer: int | None, expert: int | None = None):
-        """[(source slice description, decoded local tensor)] for every rank holding a slice."""
+    def slices(self, role: str, layer: int | None, expert: int | None = None) -> list[tuple[dict, torch.Tensor]]:
+        """[(index entry of the slice's first part, decoded local tensor without padding)] for every
+        rank holding a slice of the role instance; read through the bundle's declared convention."""
         by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
         for e in self.entries.get((role, layer), []):
             src = e["source"]
@@ -133,12 +146,13 @@ class BundleWeights(WeightSource):
             parts = by_rank[r]
             first = next(iter(parts.values()))
             tensors = {p: self.files.get(e, expert) for p, e in parts.items()}
-            value = _decode(tensors, first, torch.float64 if self.policy.weight == torch.float64 else torch.float32)
-            out.append((first["source"], _unpad(value, first["source"])))
+            fmt = read_format(first, self.convention)
+            value = fmt.decode(tensors, torch.float64 if self.policy.weight == torch.float64 else torch.float32)
+            out.append((parts.get("packed") or parts.get("weight") or first, _unpad(value, first["source"])))
         return out
 
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
-        slices = self._slices(role, layer, expert)
+        slices = [(e["source"], v) for e, v in self.slices(role, layer, expert)]
         if not slices:
             if self.rank is None:
                 raise BundleError(f"{self.root}: weights.index.json has no tensor of role {role} "

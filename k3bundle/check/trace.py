@@ -108,7 +108,8 @@ def _trace_byte(e: dict, offset: int) -> dict:
     if part == "global_scale":
         res["padding"] = False
         res["source"] = {"file": src["file"], "key": skey, "rows": rows, "cols": cols,
-                         "note": "2^(largest live exponent - 8) over the whole source tensor"}
+                         "note": "multiplier 2^(largest live exponent - 8) over the whole source tensor, "
+                                 "stored as the layout's convention means it (compressed-tensors: 1 / multiplier)"}
         res["scale"] = {"key": source_key(src, expert, "scale"), "rows": src["scale"]["rows"],
                         "cols": src["scale"]["cols"]}
         return res

@@ -13,7 +13,11 @@ With ``--source``:
   5. reassembly: for every pass-through source tensor (``copy`` / ``swizzle-128x4``), the rank
      slices named by ``weights.index.json`` — un-swizzled, padding dropped — tile the tensor and
      reproduce its bytes exactly. This check reads the index and the files, not the converter's
-     code, so it is an independent proof of the placement.
+     code, so it is an independent proof of the placement;
+  6. values as an engine reads them (``check.values``): every re-coded device tensor, read through
+     the layout's declared convention (names, scale meaning, scale layout), must give the source's
+     values (exact where lossless). A writer that stores what a name does not mean re-derives to
+     the same bytes; this check names the tensor and the convention it breaks.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
 from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
 from k3bundle.check.trace import source_key
+from k3bundle.check.values import check_values
 from k3bundle.convert.journal import JOURNAL
+from k3bundle.convert.manifest import convention_file
 from k3bundle.convert.run import LAYOUT_PATH
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
@@ -65,6 +71,8 @@ class VerifyReport:
     rederived_files: int = 0
     reassembled_tensors: int = 0
     reassembled_slices: int = 0
+    value_checked_tensors: int = 0
+    value_checked_slices: int = 0
 
     @property
     def ok(self) -> bool:
@@ -194,6 +202,8 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
             write_index(scratch / INDEX_NAME, plan, shard_digests)
             _same(report, INDEX_NAME, sha256_file(scratch / INDEX_NAME)[0], actual)
         _same(report, GRAPH_NAME, hashlib.sha256(json_bytes(graph_manifest(plan))).hexdigest(), actual)
+        quant_path, quant_bytes = convention_file(plan)
+        _same(report, quant_path, hashlib.sha256(quant_bytes).hexdigest(), actual)
         for path, f in listed.items():  # copied files: byte-identical to the source's
             name = path.rsplit("/", 1)[-1]
             if not path.startswith("device_weights/") and path not in (INDEX_NAME, GRAPH_NAME):
@@ -203,6 +213,9 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
         shutil.rmtree(scratch, ignore_errors=True)
     # 5: reassembly of every pass-through tensor from the rank slices
     _reassemble(bundle, source, index, src.schema, report)
+    # 6: every re-coded tensor's values, read through the declared convention
+    report.value_checked_tensors, report.value_checked_slices = check_values(bundle, src, index, manifest,
+                                                                             report.fail)
 
 
 def _same(report: VerifyReport, path: str, sha: str, actual: dict[str, str]) -> None:

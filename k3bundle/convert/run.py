@@ -45,7 +45,7 @@ from k3bundle.bundle.index import INDEX_NAME, write_index
 from k3bundle.bundle.manifest import MANIFEST_NAME
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal, recorded
-from k3bundle.convert.manifest import build_manifest
+from k3bundle.convert.manifest import build_manifest, convention_file
 from k3bundle.convert.sources import SourceFiles
 from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, disk_error, run_unit
 from k3bundle.io import INDEX_NAME as SOURCE_INDEX
@@ -375,6 +375,8 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
     for c in files.copies:
         bundle_files[c.dest] = _write_final(out, c.dest, files.read_small(c.source))
     bundle_files[LAYOUT_PATH] = _write_final(out, LAYOUT_PATH, plan.layout.to_yaml())
+    quant_path, quant_bytes = convention_file(plan)  # the device weights' quantization, in the convention's file
+    bundle_files[quant_path] = _write_final(out, quant_path, quant_bytes)
     shard_digests = {s: {"sha256": results[s].sha256, "size": results[s].size} for s in plan.shards}
     try:  # streamed: the full model's index is too big to build in memory first
         write_index(out / INDEX_NAME, plan, shard_digests)

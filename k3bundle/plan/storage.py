@@ -21,7 +21,7 @@ __all__ = ["DevicePart", "EXACT_TRANSFORMS", "device_parts", "storage_format", "
 
 def storage_format(rule: FormatRule, role: Role) -> StorageFormat:
     """The concrete storage format of a role under its layout rule."""
-    return storage_for(rule.format, role)
+    return storage_for(rule.format, role, rule.convention)
 
 
 def storage_name(rule: FormatRule, role: Role) -> str:

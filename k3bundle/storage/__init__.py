@@ -16,6 +16,7 @@ import pkgutil
 
 from k3bundle.schema import Role
 from k3bundle.storage.base import EXACT_TRANSFORMS, DevicePart, StorageFormat
+from k3bundle.storage.conventions import COMPRESSED_TENSORS, CONVENTIONS, MODELOPT, Convention, convention
 
 
 def _discover() -> dict[str, StorageFormat]:
@@ -37,9 +38,11 @@ LAYOUT_NAMES: dict[str, StorageFormat] = {n: f for f in STORAGE.values() for n i
 assert len(LAYOUT_NAMES) == sum(len(f.layout_names) for f in STORAGE.values()), "a layout name is taken twice"
 
 
-def storage_for(layout_name: str, role: Role) -> StorageFormat:
-    """The concrete storage of ``role`` when a layout gives it ``layout_name``."""
-    return STORAGE[LAYOUT_NAMES[layout_name].resolve(role)]
+def storage_for(layout_name: str, role: Role, convention_name: str = COMPRESSED_TENSORS) -> StorageFormat:
+    """The concrete storage of ``role`` when a layout gives it ``layout_name``, under the layout's
+    tensor convention (names and scale semantics, ``storage.conventions``)."""
+    return STORAGE[LAYOUT_NAMES[layout_name].resolve(role)].under(convention_name)
 
 
-__all__ = ["DevicePart", "EXACT_TRANSFORMS", "LAYOUT_NAMES", "STORAGE", "StorageFormat", "storage_for"]
+__all__ = ["COMPRESSED_TENSORS", "CONVENTIONS", "Convention", "DevicePart", "EXACT_TRANSFORMS", "LAYOUT_NAMES",
+           "MODELOPT", "STORAGE", "StorageFormat", "convention", "storage_for"]

@@ -12,6 +12,7 @@ weight row; the math is the codecs of ``k3bundle.formats`` (torch).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.formats.scale_swizzle import swizzle, swizzled_size, unswizzle
 from k3bundle.io.dtypes import dtype_bits, tensor_nbytes
 from k3bundle.schema import Format, Role
+from k3bundle.storage.conventions import COMPRESSED_TENSORS, Convention, convention
 
 #: Transforms whose output bytes are the source bytes, re-arranged at most (reassembly-provable).
 EXACT_TRANSFORMS = ("copy", "swizzle-128x4")
@@ -110,6 +112,9 @@ def bf16_linear_misfit(name: str, role: Role) -> str:
     return ""
 
 
+_UNDER: dict[tuple[str, str], "StorageFormat"] = {}
+
+
 class StorageFormat:
     """One storage format. Subclasses set the attributes and implement the methods they use.
 
@@ -129,6 +134,23 @@ class StorageFormat:
     gemm_op: str = ""  # the GEMM kernel a serving engine needs for weights in this format
     peak_bucket: str = "bf16"  # the card's peak_flops entry those GEMMs run at
     swizzles_scales: bool = False  # the layout's scale_layout applies to its scales
+    #: per convention, how its description file describes weights in this format: compressed-tensors
+    #: a config group's ``format`` and ``weights``; modelopt a ``quant_algo`` and ``group_size``.
+    #: Empty for formats that do not quantize.
+    described: dict[str, dict] = {}
+    #: the layout's tensor convention: device names and scale semantics (``storage.conventions``)
+    convention: Convention = convention(COMPRESSED_TENSORS)
+
+    def under(self, name: str) -> "StorageFormat":
+        """This format writing and reading its tensors by convention ``name``."""
+        if name == self.convention.name:
+            return self
+        key = (self.name, name)
+        if key not in _UNDER:
+            other = copy.copy(self)
+            other.convention = convention(name)
+            _UNDER[key] = other
+        return _UNDER[key]
 
     def resolve(self, role: Role) -> str:
         """The concrete storage name of ``role`` under this format (e.g. source -> mxfp4)."""

@@ -18,6 +18,9 @@ class FP8Block128(StorageFormat):
     layout_names = ("fp8-e4m3-block128",)
     gemm_op = "fp8_e4m3_block128_gemm"
     peak_bucket = "fp8"
+    described = {"compressed-tensors": {"format": "float-quantized", "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "block",
+        "block_structure": [BLOCK, BLOCK], "dynamic": False}}}
 
     def fits(self, layout_name, role):
         return bf16_linear_misfit(layout_name, role)
@@ -25,8 +28,9 @@ class FP8Block128(StorageFormat):
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
         grid = (math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
-        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), "weight", self.name, BLOCK),
-                DevicePart("scale", ".weight_scale", "F32", grid, "weight", self.name, BLOCK, rows_per_row=BLOCK)]
+        name = self.convention.suffix
+        return [DevicePart("weight", name("weight"), "F8_E4M3", (rows, cols), "weight", self.name, BLOCK),
+                DevicePart("scale", name("scale"), "F32", grid, "weight", self.name, BLOCK, rows_per_row=BLOCK)]
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         """Up to 128 BF16 rows [n, 2C] -> weight [n, C] E4M3 bytes, scale [1, ceil(C/128) * 4]."""

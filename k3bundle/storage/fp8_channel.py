@@ -14,14 +14,19 @@ class FP8Channel(StorageFormat):
     layout_names = ("fp8-e4m3-channel",)
     gemm_op = "fp8_e4m3_channel_gemm"
     peak_bucket = "fp8"
+    described = {"compressed-tensors": {"format": "float-quantized", "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+        "dynamic": False}}}
 
     def fits(self, layout_name, role):
         return bf16_linear_misfit(layout_name, role)
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
-        return [DevicePart("weight", ".weight", "F8_E4M3", (rows, cols), "weight", self.name, 1),
-                DevicePart("scale", ".weight_scale", "F32", (rows,), "weight", self.name, 1)]
+        name = self.convention.suffix
+        # [rows, 1]: compressed-tensors' channel-strategy scale, broadcast over the row's columns
+        return [DevicePart("weight", name("weight"), "F8_E4M3", (rows, cols), "weight", self.name, 1),
+                DevicePart("scale", name("scale"), "F32", (rows, 1), "weight", self.name, 1)]
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         """BF16 rows [n, 2C] -> weight [n, C] E4M3 bytes, scale [n, 4] (f32 dequant multiplier)."""
@@ -29,7 +34,8 @@ class FP8Channel(StorageFormat):
         return {"weight": u8(q), "scale": u8(scale.to(torch.float32))}
 
     def decode(self, parts, out_dtype):
-        return fp8.dequantize_channel(parts["weight"], parts["scale"], out_dtype)
+        q = parts["weight"]
+        return fp8.dequantize_channel(q, parts["scale"].reshape(q.shape[:-1]), out_dtype)
 
 
 FORMAT = FP8Channel()

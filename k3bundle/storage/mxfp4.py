@@ -11,23 +11,26 @@ import torch
 
 from k3bundle.formats import mxfp4
 from k3bundle.schema import Format, Role
-from k3bundle.schema.roles import MXFP4_PARTS
 from k3bundle.storage.base import DevicePart, StorageFormat, block_scale, row_major_scale
 
-SUFFIX = {part: suffix for part, suffix, _ in MXFP4_PARTS}  # device names = the checkpoint's pair
+#: compressed-tensors' config-group description of MXFP4 weights (its ``MXFP4A16`` preset)
+MXFP4_SCHEME = {"format": "mxfp4-pack-quantized", "weights": {
+    "num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group", "dynamic": False,
+    "scale_dtype": "torch.uint8"}}
 
 
-def mxfp4_parts(shape: tuple[int, ...], swizzled: bool, transform: str, rows_per_group: int,
-                pass_through: bool) -> list[DevicePart]:
+def mxfp4_parts(fmt: StorageFormat, shape: tuple[int, ...], swizzled: bool, transform: str,
+                rows_per_group: int, pass_through: bool) -> list[DevicePart]:
     """The packed codes [rows, cols/2] and the E8M0 scales [rows, cols/32] of an MXFP4 slice.
 
     ``pass_through``: each part is read from the source part of the same name (else from the
     BF16 weight).
     """
     rows, cols = shape
-    packed = DevicePart("packed", SUFFIX["packed"], "U8", (rows, cols // 2), "packed" if pass_through else "weight",
+    name = fmt.convention.suffix  # compressed-tensors: the checkpoint's own pair of names
+    packed = DevicePart("packed", name("packed"), "U8", (rows, cols // 2), "packed" if pass_through else "weight",
                         transform, rows_per_group)
-    scale = block_scale(SUFFIX["scale"], "U8", rows, cols // mxfp4.BLOCK, swizzled,
+    scale = block_scale(name("scale"), "U8", rows, cols // mxfp4.BLOCK, swizzled,
                         "scale" if pass_through else "weight", transform, rows_per_group)
     return [packed, scale]
 
@@ -46,6 +49,7 @@ class MXFP4(StorageFormat):
     gemm_op = "mxfp4_weight_gemm"
     peak_bucket = "mxfp4"
     swizzles_scales = True
+    described = {"compressed-tensors": MXFP4_SCHEME}
 
     def fits(self, layout_name: str, role: Role) -> str:
         if role.fmt is Format.MXFP4:
@@ -54,7 +58,7 @@ class MXFP4(StorageFormat):
                 f"{role.fmt.value}; use mxfp4-from-bf16 to quantize it")
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
-        return mxfp4_parts(shape, swizzled, "copy", 1, pass_through=True)
+        return mxfp4_parts(self, shape, swizzled, "copy", 1, pass_through=True)
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         return {part: rows}

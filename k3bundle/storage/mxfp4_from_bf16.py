@@ -10,7 +10,7 @@ import numpy as np
 
 from k3bundle.formats import mxfp4
 from k3bundle.storage.base import StorageFormat, bf16_linear_misfit, bf16_rows
-from k3bundle.storage.mxfp4 import mxfp4_decode, mxfp4_parts
+from k3bundle.storage.mxfp4 import MXFP4_SCHEME, mxfp4_decode, mxfp4_parts
 
 
 class MXFP4FromBF16(StorageFormat):
@@ -21,12 +21,13 @@ class MXFP4FromBF16(StorageFormat):
     gemm_op = "mxfp4_weight_gemm"
     peak_bucket = "mxfp4"
     swizzles_scales = True
+    described = {"compressed-tensors": MXFP4_SCHEME}
 
     def fits(self, layout_name, role):
         return bf16_linear_misfit(layout_name, role)
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
-        return mxfp4_parts(shape, swizzled, f"mxfp4-from-bf16({scale_rule})", 1, pass_through=False)
+        return mxfp4_parts(self, shape, swizzled, f"mxfp4-from-bf16({scale_rule})", 1, pass_through=False)
 
     def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
         """BF16 rows [n, 2C] -> packed [n, C/2], scale [n, C/32] (``mxfp4.quantize``)."""

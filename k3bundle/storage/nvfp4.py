@@ -1,7 +1,9 @@
 """``nvfp4``: the release's MXFP4 routed experts transcoded to NVFP4.
 
 E2M1 codes, an E4M3 scale per 16 (row-major or swizzled 128x4) and one f32 global scale per
-tensor, all dequantization multipliers (docs/formats.md). The global scale is a property of the
+tensor (docs/formats.md). The codec's global scale is the dequant multiplier; the layout's
+convention says what is stored (compressed-tensors: its reciprocal; ModelOpt: itself) and names
+the tensors (``storage.conventions``). The global scale is a property of the
 whole source tensor, so the transcode (``nvfp4.from_mxfp4``) sees the whole expert tensor and
 every rank slices the result: all ranks of an expert share one global scale.
 """
@@ -27,6 +29,10 @@ class NVFP4(StorageFormat):
     gemm_op = "nvfp4_weight_gemm"
     peak_bucket = "nvfp4"
     swizzles_scales = True
+    described = {"compressed-tensors": {"format": "nvfp4-pack-quantized", "weights": {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+        "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}},
+        "modelopt": {"quant_algo": "NVFP4", "group_size": 16}}
 
     def fits(self, layout_name: str, role: Role) -> str:
         if role.fmt is Format.MXFP4:
@@ -37,18 +43,20 @@ class NVFP4(StorageFormat):
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         rows, cols = shape
         # each part reads the whole pair; source_part names the tensor its codes/scales come from
-        return [DevicePart("packed", ".weight_packed", "U8", (rows, cols // 2), "packed", TRANSFORM, 0),
-                block_scale(".weight_scale", "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, "scale", TRANSFORM, 0),
-                DevicePart("global_scale", ".weight_global_scale", "F32", (1,), "packed", TRANSFORM, 0)]
+        name = self.convention.suffix
+        return [DevicePart("packed", name("packed"), "U8", (rows, cols // 2), "packed", TRANSFORM, 0),
+                block_scale(name("scale"), "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, "scale", TRANSFORM, 0),
+                DevicePart("global_scale", name("global_scale"), "F32", (1,), "packed", TRANSFORM, 0)]
 
     def encode_tensor(self, parts: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[list[int]]]:
-        """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32,
-        and the re-quantized 32-blocks as ``[row, block]`` pairs (empty when lossless)."""
+        """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32
+        (the dequant multiplier as the convention stores it), and the re-quantized 32-blocks as
+        ``[row, block]`` pairs (empty when lossless)."""
         p16, s16, g, bad = nvfp4.from_mxfp4(torch.from_numpy(np.ascontiguousarray(parts["packed"])),
                                             torch.from_numpy(np.ascontiguousarray(parts["scale"])))
         blocks = [[int(r), int(b)] for r, b in bad.nonzero().tolist()] if bool(bad.any()) else []
         return {"packed": p16.numpy(), "scale": s16.numpy(),
-                "global_scale": u8(g.reshape(1).to(torch.float32))}, blocks
+                "global_scale": u8(self.convention.store_global(g.reshape(1)))}, blocks
 
     def slice_tensor(self, parts, rows, cols):
         r = slice(*rows)
@@ -63,7 +71,8 @@ class NVFP4(StorageFormat):
         packed = parts["packed"]
         rows, cols = packed.shape[-2], packed.shape[-1] * 2
         scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK)
-        return nvfp4.dequantize(packed, scale.view(torch.uint8), parts["global_scale"].reshape(()), out_dtype)
+        multiplier = self.convention.load_global(parts["global_scale"].reshape(()))
+        return nvfp4.dequantize(packed, scale.view(torch.uint8), multiplier, out_dtype)
 
 
 FORMAT = NVFP4()

@@ -1,0 +1,133 @@
+"""Values as an engine reads them: every quantized device tensor, read through the bundle's declared
+convention, against the source tensor it claims to hold.
+
+Re-deriving a bundle with the converter proves the converter is deterministic, not that it is
+right: a writer that stores a scale under a name whose convention means something else (an NVFP4
+``weight_global_scale`` holding the dequant multiplier instead of its reciprocal, scales left
+un-swizzled, nibbles swapped) re-derives to the same bytes. This check reads the device tensors
+the way a loader of the declared convention does (``BundleWeights``: the convention's names and
+scale meaning, the layout's scale layout) and compares the values with the source's, decoded from
+the release's own MXFP4 / BF16 storage. Exact where the transform is lossless; otherwise within
+the bound of its format (docs/bundle-format.md "Conventions"):
+
+- NVFP4 from MXFP4: exact, except the 32-blocks the manifest lists as re-quantized, which may
+  lose up to their own largest magnitude (they lie 2^17 or more below the tensor's largest block);
+- FP8 E4M3: |x' - x| <= 2^-4 |x| + 2^-10 · amax / 448 (half an ulp of 3 mantissa bits, half a
+  subnormal step of the largest scale);
+- MXFP4 from BF16: |x' - x| <= amax / 3 of the 32-block (E2M1 rounding and FLOOR saturation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from k3bundle.bundle.weights import BundleWeights
+from k3bundle.formats import mxfp4
+from k3bundle.schema import ROLE_BY_NAME, Format
+from k3bundle.schema.roles import Scope
+from k3bundle.source import SourceCheckpoint
+from k3bundle.storage import CONVENTIONS
+
+E4M3_MAX = 448.0
+
+
+def _instances(index: dict, experts: int) -> Iterator[tuple[str, int | None, int | None]]:
+    """(role, layer, expert) of every role instance with a quantized or re-coded device tensor."""
+    seen = sorted({(e["role"], -1 if e["layer"] is None else e["layer"]) for e in index["tensors"]
+                   if e["transform"] != "copy"})
+    for role, layer in seen:
+        lay = None if layer == -1 else layer
+        if ROLE_BY_NAME[role].scope is Scope.EXPERT:
+            for x in range(experts):
+                yield role, lay, x
+        else:
+            yield role, lay, None
+
+
+def _source_value(src: SourceCheckpoint, role: str, layer: int | None, expert: int | None) -> torch.Tensor:
+    r = ROLE_BY_NAME[role]
+    if r.fmt is Format.MXFP4:
+        packed = src.get(src.schema.name(role, layer, expert, part="packed"))
+        scale = src.get(src.schema.name(role, layer, expert, part="scale"))
+        return mxfp4.dequantize(packed, scale, torch.float32)
+    return src.get(src.schema.name(role, layer, expert)).to(torch.float32)
+
+
+def _blocks_amax(x: torch.Tensor) -> torch.Tensor:
+    """Per-element largest magnitude of its 32-column block."""
+    rows, cols = x.shape
+    a = x.abs().reshape(rows, cols // mxfp4.BLOCK, mxfp4.BLOCK).amax(-1, keepdim=True)
+    return a.expand(rows, cols // mxfp4.BLOCK, mxfp4.BLOCK).reshape(rows, cols)
+
+
+def _allowed(transform: str, want: torch.Tensor, requant: torch.Tensor | None) -> torch.Tensor:
+    """Per-element allowed |error| of a device value decoding to ``want``'s source value."""
+    if transform.startswith("fp8-"):
+        return want.abs() * 2.0**-4 + want.abs().amax() * 2.0**-10 / E4M3_MAX
+    if transform.startswith("mxfp4-from-bf16"):
+        return _blocks_amax(want) / 3
+    allowed = torch.zeros_like(want)
+    if requant is not None:
+        allowed = torch.where(requant, _blocks_amax(want), allowed)
+    return allowed
+
+
+def _requantized_mask(requantized: dict[str, list], key: str, shape: tuple[int, int]) -> torch.Tensor | None:
+    blocks = requantized.get(key)
+    if not blocks:
+        return None
+    mask = torch.zeros(shape[0], shape[1] // mxfp4.BLOCK, dtype=torch.bool)
+    for r, b in blocks:
+        mask[r, b] = True
+    return mask.repeat_interleave(mxfp4.BLOCK, dim=1)
+
+
+def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dict,
+                 fail) -> tuple[int, int]:
+    """Compare every re-coded slice with the source; ``fail(message)`` for each that differs.
+
+    Returns (role instances, rank slices) checked.
+    """
+    bw = BundleWeights(bundle, dtype="float32")
+    conv = CONVENTIONS[bw.convention]
+    requantized = {q["source_key"]: q["blocks"] for q in manifest.get("nvfp4_requantized", [])}
+    instances = slices = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small tensors: intra-op threads only contend
+    try:
+        for role, layer, expert in _instances(index, bw.config.text.num_experts):
+            got = bw.slices(role, layer, expert)
+            if not got:
+                continue
+            full = _source_value(src, role, layer, expert)
+            part = "packed" if ROLE_BY_NAME[role].fmt is Format.MXFP4 else "weight"
+            key = src.schema.name(role, layer, expert, part=part)
+            mask = _requantized_mask(requantized, key, tuple(full.shape)) if full.ndim == 2 else None
+            instances += 1
+            for entry, value in got:
+                slices += 1
+                s = entry["source"]
+                rows = slice(*s["rows"])
+                cols = slice(*s["cols"]) if s.get("cols") is not None and full.ndim == 2 else slice(None)
+                want = full[rows, cols] if full.ndim == 2 else full[rows]
+                req = mask[rows, cols] if mask is not None else None
+                err = (value.to(torch.float32) - want).abs()
+                bad = ~(err <= _allowed(entry["transform"], want, req))  # NaN error counts as bad
+                if bool(bad.any()):
+                    at = [int(i) for i in bad.nonzero()[0]]
+                    where = f"rank {entry['rank']} {entry['key']}" + ("" if expert is None or "experts" not in s
+                                                                       else f" expert {expert}")
+                    fail(f"{where}: read through the declared {conv.name} convention ({entry['storage']}, "
+                         f"{conv.semantics}) it is not the source {key}: "
+                         f"{int(bad.sum())} of {bad.numel()} values off, e.g. {float(value[tuple(at)]):.6g} "
+                         f"for {float(want[tuple(at)]):.6g} at {at}")
+    finally:
+        torch.set_num_threads(threads)
+        bw.close()
+    return instances, slices
+
+
+__all__ = ["check_values"]
