@@ -155,7 +155,8 @@ def _nvfp4_parts(b: Path, entries: dict, e: dict, x, off: int):
     rows, cols2 = shape
     scale = unswizzle(torch.from_numpy(flat.copy()), rows, cols2 * 2 // 16)
     g = np.frombuffer(_device_bytes(b, ge)[i * 4: i * 4 + 4], np.float32)[0]
-    return torch.from_numpy(packed.copy()), scale, float(g)
+    # compressed-tensors' weight_global_scale is the quantization scale: the multiplier is its reciprocal
+    return torch.from_numpy(packed.copy()), scale, 1.0 / float(g)
 
 
 def test_nvfp4_transcode_is_bit_exact_where_it_fits(bundles, tiny_ckpt):
