@@ -197,7 +197,8 @@ def test_transposed_tp_shard_is_located(work, tmp_path):
     assert _first(data) == (0, "layers.0.ffn_out")
 
 
-def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None) -> Path:
+def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None,
+                       dtype: torch.dtype | None = None) -> Path:
     inter = read_npz(golden_dir / "golden_intermediates.npz")
     out.mkdir()
     for case in ("greedy", "long_context"):
@@ -210,6 +211,8 @@ def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None) 
             x = taps[perturb]
             g = torch.Generator().manual_seed(0)
             taps[perturb] = x + 1e-2 * x.norm() / x.numel() ** 0.5 * torch.randn(x.shape, generator=g, dtype=x.dtype)
+        if dtype is not None:  # a runtime that stores its float taps in another precision
+            taps = {k: v.to(dtype) if v.is_floating_point() else v for k, v in taps.items()}
         save_file({k: v.contiguous() for k, v in taps.items()}, str(out / f"{case}.safetensors"))
     return out
 
@@ -224,6 +227,17 @@ def test_dumps_clean_pass_and_perturbed_layer_is_located(work, tmp_path):
     assert _first(data) == (5, "layers.5.mixer_out")
     greedy = next(c for c in data["cases"] if c["name"] == "greedy")
     assert greedy["first_failure"]["mode"] == "emulation"
+
+
+def test_bf16_dump_of_the_golden_values_passes(work, tmp_path):
+    """Storage precision is not a fault: FP32 arithmetic stored in BF16 is judged against the
+    emulation it is closer to (BF16 arithmetic, or FP32 rounded to BF16)."""
+    d = _dumps_from_golden(work["golden"], tmp_path / "bf16", dtype=torch.bfloat16)
+    r, data = _validate(work["tiny-tp2"], "--dumps", str(d), "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    bad = _dumps_from_golden(work["golden"], tmp_path / "bad", perturb="layers.5.mixer_out", dtype=torch.bfloat16)
+    r, data = _validate(work["tiny-tp2"], "--dumps", str(bad), "--out", str(tmp_path / "r2"))
+    assert r.returncode == 1 and _first(data) == (5, "layers.5.mixer_out")
 
 
 @pytest.mark.parametrize("fault,needle", [
