@@ -27,7 +27,7 @@ from k3bundle.executor.case import run_case
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
 from k3bundle.golden.errors import GoldenFileError
-from k3bundle.golden.store import content_hash, meta_array, write_npz
+from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import tolerance_path
 from k3bundle.io.files import write_atomic
 from k3bundle.tokenizer import load_tiktoken
@@ -41,11 +41,6 @@ class GoldenResult:
     cases: list[dict]  # per case: name, kind, status ("ok" / "not run"), tokens, positions, reason
     content_hash: str
     bytes_intermediates: int
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _device_name(device: torch.device) -> str:
@@ -70,7 +65,7 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
     recorded, KDA states at chunk boundaries), as numpy."""
     run = run_case(weights, ids, case.taps.positions(len(ids)), steps=case.steps,
                    snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True)
-    return {k: _np(v) for k, v in run.arrays.items()}
+    return {k: to_numpy(v) for k, v in run.arrays.items()}
 
 
 GOLDEN_FILES = ("golden_intermediates.npz", "golden_inputs.npz", "tolerances.yaml")

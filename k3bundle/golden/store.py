@@ -31,6 +31,12 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)
 MAX_GOLDEN_BYTES = 1 << 40  # far above any case suite; a bound, not a size anyone should reach
 
 
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor as stored in a golden file (numpy has no bfloat16: those become float32)."""
+    t = t.detach().cpu()
+    return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()
+
+
 def content_hash(arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     for name in sorted(arrays):

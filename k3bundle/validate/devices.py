@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.executor import Executor, SourceWeights
+from k3bundle.executor import Executor
 from k3bundle.executor.case import run_case
 from k3bundle.validate.dumps import read_dump
 
@@ -68,6 +68,13 @@ def device_arrays(weights, golden: dict, ids: np.ndarray) -> tuple[dict, dict | 
     return run.arrays, layers
 
 
+def builtin_output(cand: dict, layers: dict | None, golden: dict) -> CaseOutput:
+    """What the built-in device yields, in one process or from every rank: golden routes
+    replayed, layer outputs judged against the goldens ("added")."""
+    return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
+                      "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+
+
 class Device(ABC):
     mode = "device"  # "device" (the built-in executor) or "dumps" (an external runtime)
 
@@ -87,9 +94,7 @@ class InProcess(Device):
         self.weights = weights_for(DEVICE_POLICY)
 
     def case(self, name, golden, ids):
-        cand, layers = device_arrays(self.weights, golden, ids)
-        return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
-                          "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+        return builtin_output(*device_arrays(self.weights, golden, ids), golden)
 
 
 class Dumps(Device):

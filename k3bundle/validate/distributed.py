@@ -21,7 +21,7 @@ from pathlib import Path
 
 from k3bundle.bundle.weights import bundle_layout
 from k3bundle.golden.store import read_npz
-from k3bundle.validate.devices import CaseOutput, Device, as_tensor
+from k3bundle.validate.devices import Device, as_tensor, builtin_output
 from k3bundle.validate.errors import ValidateError
 
 class Distributed(Device):
@@ -68,9 +68,7 @@ class Distributed(Device):
             self.results[name] = (cand, outs or None)
 
     def case(self, name, golden, ids):
-        cand, layers = self.results[name]
-        return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
-                          "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+        return builtin_output(*self.results[name], golden)
 
 def _cause(output: str) -> str:
     """The line that says why a rank died: ``rank N: Type: message`` from the last exception

@@ -13,23 +13,17 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from k3bundle.bundle.weights import BundleWeights
 from k3bundle.executor.taps import tap_kind
-from k3bundle.golden.store import read_meta, read_npz, write_npz
+from k3bundle.golden.store import read_meta, read_npz, to_numpy, write_npz
 from k3bundle.validate.devices import DEVICE_POLICY, device_arrays
 
 # KDA state taps are per-rank head slices: the axis their heads are on (states carry a leading
 # step or snapshot axis in some arrays, so it is counted from the end)
 HEAD_AXIS = {"kda_state": -3, "kda_conv": -1}
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _gather_heads(cand: dict[str, torch.Tensor], world: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -67,8 +61,8 @@ def main(bundle: str, validation: str, out: str, device: str) -> None:
             cand, outs = device_arrays(weights, golden, inputs[f"{name}/ids"])
             cand = _gather_heads(cand, weights.world, weights.device)
             if rank == 0:
-                arrays = {f"cand/{k}": _np(v) for k, v in cand.items()}
-                arrays.update({f"outs/{k}": _np(v) for k, v in (outs or {}).items()})
+                arrays = {f"cand/{k}": to_numpy(v) for k, v in cand.items()}
+                arrays.update({f"outs/{k}": to_numpy(v) for k, v in (outs or {}).items()})
                 write_npz(Path(out) / f"{name}.npz", arrays)
         dist.barrier()
     finally:
