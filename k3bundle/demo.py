@@ -1,6 +1,6 @@
 """``k3bundle demo``: the whole chain on the embedded tiny model, in well under a minute.
 
-synth tiny → pull (local, hash every file) → plan b300-tp8 → convert → verify --source →
+synth tiny-trained → pull (local, hash every file) → plan b300-tp8 → convert → verify --source →
 golden → validate (cpu) → checklist (when the command exists). Every step is the same library
 call the command of that name makes; the demo only wires them and reports where each
 artifact is. The long-context case is shortened (``long_tokens``) to keep the run short; the
@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from k3bundle.check.verify import verify
 from k3bundle.checklist import write_checklist
 from k3bundle.convert import convert
@@ -23,11 +25,13 @@ from k3bundle.golden.generate import generate_goldens
 from k3bundle.plan.report import plan_from
 from k3bundle.pull import pull
 from k3bundle.synth import write_synthetic
+from k3bundle.tokenizer import load_tiktoken
 from k3bundle.validate.report import write_reports
 from k3bundle.validate.run import validate
 from k3bundle.validate.sources import open_device
 
 TARGET = "b300-tp8"
+PRESET = "tiny-trained"  # a trained model: realistic numerics, and a continuation worth reading
 
 
 @dataclass
@@ -43,6 +47,15 @@ class DemoResult:
     out: Path
     steps: list[DemoStep] = field(default_factory=list)
     passed: bool = False
+    continuation: str = ""  # the greedy case's float32 continuation, decoded
+
+
+def greedy_continuation(golden_dir: Path, checkpoint: Path, case: str = "greedy") -> str:
+    """The tokens the golden run chose after the ``case`` prompt, as text."""
+    with np.load(golden_dir / "golden_inputs.npz", allow_pickle=False) as z:
+        key = f"{case}/greedy_tokens"
+        tokens = z[key].tolist() if key in z.files else []
+    return load_tiktoken(checkpoint).decode(tokens)
 
 
 def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
@@ -63,8 +76,8 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
         if say:
             say(s)
 
-    synth, pulled, bundle = out / "synth-tiny", out / "checkpoint", out / f"bundle-{TARGET}"
-    step("synth", synth, lambda: f"{write_synthetic(synth, preset='tiny').tensors} tensors")
+    synth, pulled, bundle = out / f"synth-{PRESET}", out / "checkpoint", out / f"bundle-{TARGET}"
+    step("synth", synth, lambda: f"{write_synthetic(synth, preset=PRESET).tensors} tensors ({PRESET})")
     step("pull", pulled / "source.json",
          lambda: f"{len(pull(synth, pulled, workers=2).record.files)} files hashed once, source.json written")
     step("plan", TARGET, lambda: f"{plan_from(TARGET, source=pulled).layout.parallel.tp} ranks of TP")
@@ -77,8 +90,12 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
                f"{r.reassembled_tensors} tensors reassembled byte for byte"
 
     step("verify", bundle / "manifest.json", _verify)
-    step("golden", bundle / "validation", lambda: "content hash " + generate_goldens(
-        bundle, long_tokens=long_tokens, device=device).content_hash[:16])
+    def _golden():
+        r = generate_goldens(bundle, long_tokens=long_tokens, device=device)
+        res.continuation = greedy_continuation(r.out, pulled)
+        return f"content hash {r.content_hash[:16]}; the greedy case continues: {res.continuation!r}"
+
+    step("golden", bundle / "validation", _golden)
 
     def _validate():
         rep = validate(bundle, open_device(bundle, device=device))

@@ -35,6 +35,16 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_trained_ckpt(tmp_path_factory) -> Path:
+    """``synth --preset tiny-trained`` (the shipped trained model), written once per test session."""
+    from k3bundle.synth import write_synthetic
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-trained"
+    write_synthetic(out, preset="tiny-trained")
+    return out
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m k3bundle ARGS`` in a subprocess, capturing text output."""
     e = dict(os.environ)

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("golden", ("k3bundle",) + BASE + ("chat", "tokenizer", "executor", "bundle")),
     ("validate", ("k3bundle", "pages") + BASE + ("executor", "bundle", "golden")),
     ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
-    ("demo", ("errors", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
+    ("demo", ("errors", "tokenizer", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",
              "bundle", "convert", "check", "golden", "validate", "checklist", "demo")),
     ("__main__", ("cli",)),

@@ -24,11 +24,11 @@ def small_cases(tmp_path_factory):
     return d
 
 
-def test_shipped_cases_cover_every_kind(tiny_ckpt):
+def test_shipped_cases_cover_every_kind(tiny_trained_ckpt):
     cases = {c.kind: c for c in load_cases()}
     assert set(cases) == {"greedy", "thinking", "tool_call", "multi_turn", "long_context", "image"}
     assert not cases["image"].runnable and "vision" in cases["image"].not_run_reason
-    enc = load_tiktoken(tiny_ckpt)
+    enc = load_tiktoken(tiny_trained_ckpt)
     long_ids = cases["long_context"].build_ids(enc)
     assert len(long_ids) >= 8192
     turns = [m for m in cases["multi_turn"].messages if m["role"] == "user"]
@@ -48,9 +48,9 @@ def test_bad_case_files_are_named(tmp_path):
         load_case(p)
 
 
-def test_same_seed_same_content_hash_and_bytes(tmp_path, tiny_ckpt, small_cases):
-    a = generate_goldens(tiny_ckpt, out=tmp_path / "a", cases_dir=small_cases, long_tokens=1024)
-    b = generate_goldens(tiny_ckpt, out=tmp_path / "b", cases_dir=small_cases, long_tokens=1024)
+def test_same_seed_same_content_hash_and_bytes(tmp_path, tiny_trained_ckpt, small_cases):
+    a = generate_goldens(tiny_trained_ckpt, out=tmp_path / "a", cases_dir=small_cases, long_tokens=1024)
+    b = generate_goldens(tiny_trained_ckpt, out=tmp_path / "b", cases_dir=small_cases, long_tokens=1024)
     assert a.content_hash == b.content_hash
     for name in ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
@@ -66,21 +66,21 @@ def test_same_seed_same_content_hash_and_bytes(tmp_path, tiny_ckpt, small_cases)
     assert inter["thinking/layers.1.router_ids"].shape[1] == 4
 
 
-def test_long_case_size_is_bounded(tmp_path, tiny_ckpt):
+def test_long_case_size_is_bounded(tmp_path, tiny_trained_ckpt):
     d = tmp_path / "cases"
     d.mkdir()
     shutil.copy(REPO / "golden" / "cases" / "long_context.yaml", d)
     sizes = {}
     for n in (512, 2048):
-        r = generate_goldens(tiny_ckpt, out=tmp_path / str(n), cases_dir=d, long_tokens=n)
+        r = generate_goldens(tiny_trained_ckpt, out=tmp_path / str(n), cases_dir=d, long_tokens=n)
         sizes[n] = r.bytes_intermediates
     assert sizes[2048] < 1.2 * sizes[512], sizes
 
 
-def test_cli_golden(tmp_path, tiny_ckpt, small_cases):
-    r = run_cli("golden", str(tiny_ckpt), "--out", str(tmp_path / "g"), "--cases", str(small_cases),
+def test_cli_golden(tmp_path, tiny_trained_ckpt, small_cases):
+    r = run_cli("golden", str(tiny_trained_ckpt), "--out", str(tmp_path / "g"), "--cases", str(small_cases),
                 "--long-tokens", "256", "--json")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "g" / "tolerances.yaml").read_text().startswith("#")
-    r = run_cli("golden", str(tiny_ckpt), "--out", str(tmp_path / "h"), "--tolerances", "bogus")
+    r = run_cli("golden", str(tiny_trained_ckpt), "--out", str(tmp_path / "h"), "--tolerances", "bogus")
     assert r.returncode == 2 and "tolerance set 'bogus' not found" in r.stderr

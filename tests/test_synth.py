@@ -172,11 +172,11 @@ def test_failure_leaves_no_output(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = ck.make_tensors
 
-    def failing(schema, specs, seed):
+    def failing(schema, specs, seed, fixed=None):
         calls["n"] += 1
         if calls["n"] == 4:
             raise OSError("disk full")
-        return real(schema, specs, seed)
+        return real(schema, specs, seed, fixed)
 
     monkeypatch.setattr(ck, "make_tensors", failing)
     with pytest.raises(OSError):

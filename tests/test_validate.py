@@ -28,8 +28,9 @@ formats: {{"*": source}}
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, tiny_ckpt):
-    """Goldens (a short case subset) and two converted tiny bundles: TP2 and TP2+EP2."""
+def work(tmp_path_factory, tiny_trained_ckpt):
+    """Goldens (a short case subset) and two converted bundles of the trained tiny: TP2 and TP2+EP2."""
+    tiny_ckpt = tiny_trained_ckpt
     from k3bundle.convert import convert
 
     root = tmp_path_factory.mktemp("validate")
@@ -189,12 +190,12 @@ def test_misrouting_bias_is_caught_by_the_router_check(work, tmp_path):
 
 def test_transposed_tp_shard_is_located(work, tmp_path):
     b = _copy(work["tiny-tp2"], tmp_path)
-    entry = _entry(b, 0, "layers.0.mlp.gate_proj.weight")
+    entry = _entry(b, 0, "layers.1.self_attn.q_proj.weight")  # KDA q, column-parallel: [128, 128]
     assert entry["shape"][0] == entry["shape"][1]  # a square shard: transposed, same shape
     _patch(b, entry, lambda t: t.t())
     r, data = _validate(b)
     assert r.returncode == 1
-    assert _first(data) == (0, "layers.0.ffn_out")
+    assert _first(data) == (1, "layers.1.mixer_out")
 
 
 def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None,

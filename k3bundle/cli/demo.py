@@ -19,7 +19,7 @@ def demo(
     device: Annotated[str, typer.Option(help="Torch device for golden and validate: cpu, cuda, ...")] = "cpu",
     json_: JsonOpt = False,
 ) -> None:
-    """synth tiny → pull → plan → convert b300-tp8 → verify → golden → validate → checklist."""
+    """synth tiny-trained → pull → plan → convert b300-tp8 → verify → golden → validate → checklist."""
     from k3bundle.demo import run_demo
 
     o = Output(json_)

@@ -23,8 +23,9 @@ from k3bundle.config import parse_config
 from k3bundle.errors import SynthError
 from k3bundle.io import write_index, write_safetensors
 from k3bundle.schema import Schema
-from k3bundle.synth.presets import preset_config_dict
+from k3bundle.synth.presets import preset_config_dict, preset_weights
 from k3bundle.synth.tokenizer import write_tokenizer
+from k3bundle.synth.trained import load_trained
 from k3bundle.synth.weights import make_tensors
 
 # The release ships Python sources (spec §2.1); they are copied as data, never imported.
@@ -72,8 +73,9 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
 
     Args:
         out (`Path`): destination directory; must not exist unless ``force``.
-        preset (`str`): "tiny" or "small" ("full" is refused: 1.56 TB).
-        seed (`int`): same seed => byte-identical files.
+        preset (`str`): "tiny", "tiny-trained" or "small" ("full" is refused: 1.56 TB).
+        seed (`int`): same seed => byte-identical files. A trained preset is one fixed model:
+            its text tensors come from the package and the seed must stay 0.
         progress (`callable`, optional): called as ``progress(done, total, file_name)``.
     """
     if preset == "full":
@@ -85,6 +87,11 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
     cfg = preset_config_dict(preset)
     config = parse_config(cfg, source=f"preset {preset}")
     schema = Schema(config)
+    trained_file = preset_weights(preset)
+    if trained_file is not None and seed != 0:
+        raise SynthError(f"preset {preset} is one trained model (k3bundle/data/{trained_file}); "
+                         f"--seed {seed} does not apply to it (leave it at 0)")
+    fixed = load_trained(trained_file, schema) if trained_file else None
 
     stage = out.parent / f".{out.name}.partial"
     if stage.exists():
@@ -105,7 +112,7 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
             if progress:
                 progress(i - 1, n, shard)
             specs = list(schema.shard_tensors(i))
-            write_safetensors(stage / shard, make_tensors(schema, specs, seed), metadata={"format": "pt"})
+            write_safetensors(stage / shard, make_tensors(schema, specs, seed, fixed), metadata={"format": "pt"})
             for spec in specs:
                 weight_map[spec.name] = shard
                 total += spec.nbytes

@@ -54,6 +54,7 @@ def preset_config_dict(name: str) -> dict:
         raise SynthError(f"unknown preset {name!r}; available: {', '.join(preset_names() + ['full'])}")
     over = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     over.pop("description", None)
+    over.pop("weights", None)
     cfg = copy.deepcopy(release_config_dict())
     _merge(cfg, over, "")
     text = cfg["text_config"]
@@ -67,6 +68,14 @@ def preset_config_dict(name: str) -> dict:
     cfg["pad_token_id"] = ids["[PAD]"]
     cfg["media_placeholder_token_id"] = ids["<|media_pad|>"]
     return cfg
+
+
+def preset_weights(name: str) -> str | None:
+    """The shipped trained-weights file a preset names (``weights:``, under k3bundle/data), if any."""
+    path = PRESET_DIR / f"{name}.yaml"
+    if name == "full" or not path.is_file():
+        return None
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("weights")
 
 
 def preset_config(name: str) -> K3Config:

@@ -65,11 +65,16 @@ def logical_values(schema: Schema, spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
 
 
-def make_tensors(schema: Schema, specs: list[TensorSpec], seed: int) -> dict[str, torch.Tensor]:
-    """Stored tensors for ``specs``: BF16/F32 as declared, MXFP4 as (packed, scale) pairs."""
+def make_tensors(schema: Schema, specs: list[TensorSpec], seed: int,
+                 fixed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Stored tensors for ``specs``: BF16/F32 as declared, MXFP4 as (packed, scale) pairs;
+    ``fixed`` (a trained preset's tensors, stored form) replaces the draw where it has a name."""
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
         if spec.name in out:
+            continue
+        if fixed is not None and spec.name in fixed:
+            out[spec.name] = fixed[spec.name]
             continue
         values = logical_values(schema, spec, seed)
         if spec.role.fmt is Format.MXFP4:
