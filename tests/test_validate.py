@@ -270,3 +270,13 @@ def test_missing_goldens_exit_2(tmp_path, work):
     shutil.rmtree(b / "validation")
     r, _ = _validate(b)
     assert r.returncode == 2 and "run `k3bundle golden` first" in r.stderr
+
+
+def test_differing_replica_is_refused_in_merged_mode(work, tmp_path):
+    """A replicated tensor (a norm gain on every TP rank) that differs on one rank: the merged
+    device would otherwise read one copy and never see the other; it names the rank instead."""
+    b = _copy(work["tiny-tp2"], tmp_path)
+    _patch(b, _entry(b, 1, "layers.1.input_layernorm.weight"), lambda t: t * 2)
+    r, _ = _validate(b)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rank 1's replica of" in r.stderr and "layers.1.input_layernorm.weight" in r.stderr

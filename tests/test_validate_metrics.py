@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from k3bundle.validate import metrics as m
+from k3bundle import metrics as m
 
 
 def test_distance_metrics_hand_worked():

@@ -152,7 +152,8 @@ class BundleWeights(WeightSource):
         return out
 
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
-        slices = [(e["source"], v) for e, v in self.slices(role, layer, expert)]
+        pairs = self.slices(role, layer, expert)
+        slices = [(e["source"], v) for e, v in pairs]
         if not slices:
             if self.rank is None:
                 raise BundleError(f"{self.root}: weights.index.json has no tensor of role {role} "
@@ -163,8 +164,19 @@ class BundleWeights(WeightSource):
         else:
             src0 = slices[0][0]
             t = torch.zeros(src0["logical_shape"], dtype=slices[0][1].dtype)
-            for src, v in slices:
+            seen: dict[tuple, tuple[int, torch.Tensor]] = {}
+            for entry, v in pairs:
+                src = entry["source"]
                 r0, r1 = src["rows"]
+                region = (r0, r1, *(src.get("cols") or ()))
+                if region in seen:  # a replica (attention-DP, replicated norms): must equal the first
+                    r_first, v_first = seen[region]
+                    if not torch.equal(v, v_first):
+                        raise BundleError(f"{self.root}: rank {entry['rank']}'s replica of {entry['key']} differs "
+                                          f"from rank {r_first}'s (a replicated tensor must be identical on "
+                                          f"every rank; run `k3bundle verify`)")
+                    continue
+                seen[region] = (entry["rank"], v)
                 if src.get("cols") is None or t.ndim != 2:
                     t[r0:r1] = v
                 else:

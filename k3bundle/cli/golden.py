@@ -25,6 +25,8 @@ def golden(
     device: Annotated[str, typer.Option(help="Any torch device: cpu, cuda, ...")] = "cpu",
     tolerances: Annotated[str, typer.Option(help="Tolerance set to copy: bf16, fp8, mxfp4, or a .yaml path.")] = "bf16",
     long_tokens: Annotated[int | None, typer.Option(help="Length of the long-context case (default: the case file's).")] = None,
+    noise: Annotated[bool, typer.Option(help="Also run each case in BF16 and store the reference's own BF16 noise, "
+                                             "which free-running limits widen to (docs/validation.md); about 1.5x the time.")] = True,
     seed: Annotated[int, typer.Option(help="Seed recorded with the goldens.")] = 0,
     json_: JsonOpt = False,
 ) -> None:
@@ -33,7 +35,8 @@ def golden(
         raise typer.BadParameter(f"--dtype must be float32 or float64 for goldens, got {dtype!r}")
     with progress_bar("golden", enabled=not json_) as update:
         r = generate_goldens(source, out=out, cases_dir=cases, dtype=dtype, device=device,
-                             tolerance=tolerances, long_tokens=long_tokens, seed=seed, progress=update)
+                             tolerance=tolerances, long_tokens=long_tokens, seed=seed, noise=noise,
+                             progress=update)
     lines = [f"wrote {r.out}: {r.bytes_intermediates:,} bytes of intermediates, content hash {r.content_hash[:16]}…"]
     for c in r.cases:
         if c["status"] == "ok":

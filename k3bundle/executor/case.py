@@ -106,3 +106,17 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
             if not SPEC[tap_kind(name)].state:
                 out[f"decode.{name}"] = rec[name][len(positions):]
     return CaseRun(out, logits_TV, cache)
+
+
+def golden_routes(golden) -> dict[str, torch.Tensor]:
+    """``{"layers.{l}.router_ids": ids}`` from a golden case's ``routes.…`` arrays."""
+    p = "routes."
+    return {k[len(p):]: torch.as_tensor(v) for k, v in golden.items() if k.startswith(p)}
+
+
+def replay_case(weights, golden, ids: Sequence[int]) -> CaseRun:
+    """A golden case run again: the golden routes replayed and decode fed the golden tokens, so
+    every array stays comparable with the golden one after a near tie (validate's built-in
+    device, and the goldens' own BF16 noise)."""
+    return run_case(weights, [int(i) for i in ids], [int(p) for p in golden["positions"]],
+                    tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden))

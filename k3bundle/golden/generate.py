@@ -27,6 +27,7 @@ from k3bundle.executor.case import run_case
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
 from k3bundle.golden.errors import GoldenFileError
+from k3bundle.golden.noise import noise_arrays
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import tolerance_path
 from k3bundle.io.files import write_atomic
@@ -68,6 +69,15 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
     return {k: to_numpy(v) for k, v in run.arrays.items()}
 
 
+def _bf16_twin(source: Path, device: str):
+    """The same weights under the bfloat16 policy (validate's built-in device), for the noise run."""
+    if (source / "manifest.json").is_file():
+        from k3bundle.bundle.weights import BundleWeights
+
+        return BundleWeights(source, dtype="bfloat16", device=device)
+    return SourceWeights(source, dtype="bfloat16", device=device, resident=True)
+
+
 GOLDEN_FILES = ("golden_intermediates.npz", "golden_inputs.npz", "tolerances.yaml")
 
 
@@ -93,7 +103,7 @@ def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> N
 
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
-                     long_tokens: int | None = None, seed: int = 0,
+                     long_tokens: int | None = None, seed: int = 0, noise: bool = True,
                      progress: Callable[[int, int, str], None] | None = None) -> GoldenResult:
     """Write the golden files for ``source`` (a checkpoint or a bundle directory) into ``out``.
 
@@ -116,6 +126,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
         weights = BundleWeights(source, dtype=dtype, device=device)
     else:
         weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
+    bf16 = _bf16_twin(source, device) if noise else None
 
     inputs: dict[str, np.ndarray] = {}
     inter: dict[str, np.ndarray] = {}
@@ -130,6 +141,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             continue
         ids = case.build_ids(encoding, long_tokens if case.kind == "long_context" else None)
         arrays = case_arrays(weights, case, ids)
+        if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
+            arrays.update(noise_arrays(bf16, arrays, ids))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():

@@ -7,7 +7,9 @@ A file has five sections (docs/validation.md explains each number's origin):
 - ``inherited``: the error a free-running device run carries to each tap;
 - ``logits``: KL divergence mean / p99 and top-1 agreement against the golden distribution;
 - ``router``: expert-set agreement and the near-tie margin that exempts a flip;
-- ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift.
+- ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift;
+- ``noise``: ``factor``, how far free-running limits (inherited, logits, state) widen with the
+  reference's own BF16 noise (``golden.noise``); absent or 0: fixed limits.
 
 Per-tap sections map a tap kind (the last part of a tap name; the kinds the tap grammar
 ``executor.taps.TAPS`` judges as tensors or logits) or ``default`` to metric limits. ``METRICS``
@@ -19,7 +21,7 @@ Unknown sections, kinds or metrics are errors: a typo must not silently loosen a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -41,6 +43,7 @@ SECTIONS = {
     "router": {"expert_set", "near_tie_eps", "noise_sigmas"},
     "greedy": {"near_tie_margin"},
     "state": {"drift_nmse"},
+    "noise": {"factor"},  # free-running limits widen to factor x the reference's BF16 noise (golden/noise.py)
 }
 
 
@@ -54,6 +57,7 @@ class Tolerances:
     router: dict[str, float]
     greedy: dict[str, float]
     state: dict[str, float]
+    noise: dict[str, float] = field(default_factory=dict)
     path: str = ""
 
     def limits(self, section: str, tap: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch
 
 from k3bundle.executor.taps import forward_key, layer_of
 from k3bundle.golden.tolerances import METRICS, Tolerances
-from k3bundle.validate import metrics as M
+from k3bundle import metrics as M
 
 
 @dataclass
@@ -63,18 +63,19 @@ def judge(values: dict[str, float], limits: dict[str, float]) -> tuple[bool, dic
 
 
 def compare_tensor(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
-                   mode: str) -> TapResult:
-    limits = tol.limits(mode, tap)
+                   mode: str, limits: dict[str, float] | None = None) -> TapResult:
+    limits = tol.limits(mode, tap) if limits is None else limits
     values = {"nmse": M.nmse(ref, x), "cosine": M.cosine(ref, x), "max_abs": M.max_abs(ref, x)}
     ok, need = judge(values, limits)
     return TapResult(case, tap, mode, values, limits, ok, need)
 
 
-def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances) -> TapResult:
+def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
+                   limits: dict[str, float] | None = None) -> TapResult:
     k = M.kld(ref, x)
     values = {"kld_mean": float(k.mean()) if k.numel() else 0.0, "kld_p99": M.quantile(k, 0.99),
               "top1": M.topk_agreement(ref, x, 1), "top5": M.topk_agreement(ref, x, min(5, ref.shape[-1]))}
-    limits = dict(tol.logits)
+    limits = dict(tol.logits) if limits is None else limits
     ok, need = judge(values, limits)
     return TapResult(case, tap, "distribution", values, limits, ok, need)
 

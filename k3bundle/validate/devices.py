@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from k3bundle.executor import Executor
-from k3bundle.executor.case import run_case
+from k3bundle.executor.case import replay_case
 from k3bundle.validate.dumps import read_dump
 
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
@@ -47,11 +47,6 @@ class CaseOutput:
     skipped: str = ""  # why the layer checks did not run
 
 
-def forced_routes(golden: dict) -> dict[str, torch.Tensor]:
-    p = "routes."
-    return {k[len(p):]: as_tensor(v) for k, v in golden.items() if k.startswith(p)}
-
-
 def full_positions(golden: dict, ids: np.ndarray) -> bool:
     """Teacher-forced layer checks need every position (a layer's input depends on all of them)."""
     return int(golden["positions"].size) == int(ids.size)
@@ -60,8 +55,7 @@ def full_positions(golden: dict, ids: np.ndarray) -> bool:
 def device_arrays(weights, golden: dict, ids: np.ndarray) -> tuple[dict, dict | None]:
     """The built-in device on one case: the golden run replayed (golden routes, decode fed the
     golden tokens) and, with every position tapped, every layer fed the golden inputs."""
-    run = run_case(weights, ids.tolist(), golden["positions"].tolist(),
-                   tokens=golden["greedy_tokens"].tolist(), forced_routes=forced_routes(golden))
+    run = replay_case(weights, golden, ids.tolist())
     layers = None
     if full_positions(golden, ids):
         layers = Executor(weights).teacher_forced(lambda n: as_tensor(golden.get(n)))

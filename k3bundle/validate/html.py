@@ -205,9 +205,9 @@ def _summary(rep) -> str:
         if ff is None and c.status == "fail":
             where = esc(c.reason)
         failed = sum(not r.passed for r in c.results)
-        d = drift_max(c)
-        dcell = (f"<span style='color:{'var(--fail)' if d > c.drift_limit else 'inherit'}'>{sci(d)}</span> "
-                 f"<span class='muted'>/ {sci(c.drift_limit)}</span>") if c.drift else "–"
+        d, dl = c.drift_worst
+        dcell = (f"<span style='color:{'var(--fail)' if d > dl else 'inherit'}'>{sci(d)}</span> "
+                 f"<span class='muted'>/ {sci(dl)}</span>") if c.drift else "–"
         rows.append([link, esc(c.kind), badge(status),
                      f"<span data-sort='{failed}'>{failed} / {len(c.results)}</span>", where,
                      esc(greedy_text(c.greedy)), dcell])
@@ -235,7 +235,7 @@ def _case(rep, c, n: int, types, tokens: int | None) -> str:
         parts.append(f"<p class='muted'>Teacher-forced layer checks skipped: {esc(c.layer_checks)}</p>")
     facts = [("greedy", esc(greedy_text(c.greedy)))]
     if c.drift:
-        facts.append(("state drift", f"max {sci(drift_max(c))} over {len(c.drift)} states (limit {sci(c.drift_limit)})"))
+        facts.append(("state drift", f"max {sci(drift_max(c))} over {len(c.drift)} states (limit {sci(c.drift_worst[1])} at the worst state)"))
     parts.append(meta(facts))
     parts += [error_chart(c, n, types), kld_chart(c, tokens, rep.tolerances.logits), router_chart(c, n, types)]
     if bad:

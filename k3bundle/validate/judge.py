@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 
 from k3bundle.executor.taps import spec_of, tap_kind
+from k3bundle.golden.noise import widen
 from k3bundle.golden.tolerances import Tolerances
-from k3bundle.validate import metrics as M
+from k3bundle import metrics as M
 from k3bundle.validate.compare import TapResult, compare_logits, compare_router, compare_tensor
 from k3bundle.validate.devices import as_tensor
 
@@ -37,10 +38,13 @@ def inherited_checks(golden: dict, cand: dict, case: str, tol: Tolerances, route
             continue
         how = "logits" if name == "step_logits" else _judged(name)
         ref, x = as_tensor(golden[name]), cand[name]
+        factor = tol.noise.get("factor", 0.0)  # free-running limits widen with the reference's BF16 noise
         if how == "logits":
-            results.append(compare_logits(case, name, ref, x.to(ref.device), tol))
+            limits = widen(dict(tol.logits), golden, name, factor)
+            results.append(compare_logits(case, name, ref, x.to(ref.device), tol, limits))
         elif how == "tensor":
-            results.append(compare_tensor(case, name, ref, x, tol, "inherited"))
+            limits = widen(tol.limits("inherited", name), golden, name, factor)
+            results.append(compare_tensor(case, name, ref, x, tol, "inherited", limits))
     for name in sorted(cand):
         if routers and _judged(name) == "router" and name in golden and not name.startswith("decode."):
             results.append(compare_router(case, name, as_tensor(golden[name]), cand[name],
@@ -71,6 +75,12 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
         else:
             results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode))
     return results
+
+
+def drift_limits(golden: dict, names, tol: Tolerances) -> dict[str, float]:
+    """Per state: the fixed drift limit, widened with the reference's own BF16 drift."""
+    base = tol.state.get("drift_nmse", float("inf"))
+    return {n: widen({"drift_nmse": base}, golden, n, tol.noise.get("factor", 0.0))["drift_nmse"] for n in names}
 
 
 def state_drift(golden: dict, cand: dict) -> dict[str, list[float]]:

@@ -44,6 +44,7 @@ def to_json(rep) -> dict:
                 "greedy": None if c.greedy is None else c.greedy.__dict__,
                 "state_drift_max": max((max(v) for v in c.drift.values() if v), default=0.0),
                 "state_drift_limit": c.drift_limit,
+                "state_drift_limits": c.drift_limits,
                 "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
             })
@@ -74,10 +75,10 @@ def to_markdown(rep) -> str:
         greedy = "–" if g is None else (f"{g.matched}/{g.total} equal" + ("" if g.first_divergence is None
                                         else f", first divergence at step {g.first_divergence}"
                                         + (" (near tie)" if g.near_tie else " (NOT a near tie)")))
-        drift = max((max(v) for v in c.drift.values() if v), default=0.0)
+        drift, drift_limit = c.drift_worst
         failed = sum(not r.passed for r in c.results)
         lines.append(f"| {c.name} | {c.kind} | {c.status.upper()} | {failed}/{len(c.results)} | {where} | "
-                     f"{greedy} | {drift:.2e} (limit {c.drift_limit:.1e}) |")
+                     f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) |")
     for c in rep.cases:
         bad = [r for r in c.results if not r.passed]
         if bad or c.layer_checks:

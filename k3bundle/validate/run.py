@@ -23,8 +23,8 @@ from k3bundle.golden.tolerances import Tolerances, load_tolerances
 from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure
 from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
-from k3bundle.validate.judge import inherited_checks, layer_checks, state_drift
-from k3bundle.validate.metrics import kld
+from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
+from k3bundle.metrics import kld
 
 
 @dataclass
@@ -36,7 +36,8 @@ class CaseReport:
     results: list[TapResult] = field(default_factory=list)
     greedy: GreedyResult | None = None
     drift: dict[str, list[float]] = field(default_factory=dict)
-    drift_limit: float = 0.0
+    drift_limit: float = 0.0  # the tolerance file's limit
+    drift_limits: dict[str, float] = field(default_factory=dict)  # per state, widened with the BF16 noise
     kld_by_position: list[float] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # the prompt positions kld_by_position is at
     first_failure: TapResult | None = None
@@ -45,6 +46,12 @@ class CaseReport:
     @property
     def passed(self) -> bool:
         return self.status == "pass"
+
+    @property
+    def drift_worst(self) -> tuple[float, float]:
+        """(drift, limit) of the state nearest to (or furthest over) its own limit."""
+        pairs = [(max(v), self.drift_limits.get(n, self.drift_limit)) for n, v in self.drift.items() if v]
+        return max(pairs, key=lambda p: p[0] / p[1] if p[1] > 0 else float("inf"), default=(0.0, self.drift_limit))
 
 
 @dataclass
@@ -95,7 +102,7 @@ def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
     if not rep.results and rep.greedy is None and not rep.drift:
         rep.status, rep.reason = "not run", "no comparisons: the device produced no tap the goldens have"
         return rep
-    drift_ok = all(v <= tol.state.get("drift_nmse", float("inf")) for vals in rep.drift.values() for v in vals)
+    drift_ok = all(v <= rep.drift_limits.get(n, rep.drift_limit) for n, vals in rep.drift.items() for v in vals)
     greedy_ok = rep.greedy is None or rep.greedy.passed
     ok = all(r.passed for r in rep.results) and drift_ok and greedy_ok
     local = [r for r in rep.results if r.mode in ("added", "emulation", "router")]
@@ -117,7 +124,8 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
         rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
                                     as_tensor(golden["step_logits"]), tol)
     rep.drift = state_drift(golden, cand)
-    rep.drift_limit = tol.state.get("drift_nmse", 0.0)
+    rep.drift_limit = tol.state.get("drift_nmse", float("inf"))
+    rep.drift_limits = drift_limits(golden, rep.drift, tol)
     if "logits" in cand:
         rep.kld_by_position = kld(as_tensor(golden["logits"]), cand["logits"].to(torch.float64)).tolist()
         rep.positions = [int(p) for p in golden["positions"]] if "positions" in golden else []

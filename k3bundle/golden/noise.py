@@ -1,0 +1,83 @@
+"""The reference's own sensitivity to BF16 arithmetic: what a free-running limit widens to.
+
+A free-running comparison (a device's own run, every tap carrying the error of all layers
+before it) measures the device *and* the model: a chaotic model (random weights) amplifies BF16
+rounding tenfold more than a trained one. A fixed limit is then loose for a trained model or a
+false alarm on a chaotic one (docs/validation.md "Calibration": random `tiny` failed one clean
+bundle in three on fixed limits, the trained tiny none). So at golden time each case runs once
+more under the ``bfloat16`` policy, replaying the golden routes and decoding the golden tokens
+exactly as validate's built-in device does (``executor.case.replay_case``), and every
+free-running metric of that run against the float32 goldens is stored beside them:
+
+- ``bf16_noise.nmse.{tap}``, ``bf16_noise.cosine.{tap}``: every tap judged as a tensor;
+- ``bf16_noise.kld_mean|kld_p99|top1.{logits|step_logits}``;
+- ``bf16_noise.drift_nmse.{decode_states name}``: the worst per-step state drift.
+
+validate widens a free-running limit to ``noise.factor`` × this value (for a lower bound, the
+deficit 1 − value) where that is looser than the tolerance file's limit, never tighter; the
+teacher-forced (added) checks, which locate faults, keep their fixed limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from k3bundle import metrics as M
+from k3bundle.executor.case import replay_case
+from k3bundle.executor.taps import spec_of
+from k3bundle.golden.tolerances import METRICS
+
+PREFIX = "bf16_noise."
+
+
+def noise_key(metric: str, tap: str) -> str:
+    return f"{PREFIX}{metric}.{tap}"
+
+
+def _t(a) -> torch.Tensor:
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+
+
+def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key)."""
+    run = replay_case(bf16_weights, golden, ids).arrays
+    out: dict[str, float] = {}
+    for name, x in run.items():
+        if name not in golden:
+            continue
+        ref = _t(golden[name])
+        if name.startswith("decode_states."):
+            steps = min(ref.shape[0], x.shape[0])
+            out[noise_key("drift_nmse", name)] = max((M.nmse(ref[i], x[i]) for i in range(steps)), default=0.0)
+            continue
+        spec = spec_of(name)
+        how = "logits" if name == "step_logits" else (spec.judged if spec is not None else None)
+        if how == "logits" and ref.numel():
+            k = M.kld(ref, x.to(torch.float64))
+            out[noise_key("kld_mean", name)] = float(k.mean())
+            out[noise_key("kld_p99", name)] = M.quantile(k, 0.99)
+            out[noise_key("top1", name)] = M.topk_agreement(ref, x, 1)
+        elif how == "tensor" and ref.numel():
+            out[noise_key("nmse", name)] = M.nmse(ref, x)
+            out[noise_key("cosine", name)] = M.cosine(ref, x)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+def widen(limits: dict[str, float], golden: Mapping, tap: str, factor: float) -> dict[str, float]:
+    """``limits`` with each widened to ``factor`` × the reference's BF16 noise at ``tap``."""
+    if factor <= 0:
+        return limits
+    out = dict(limits)
+    for metric, limit in limits.items():
+        v = golden.get(noise_key(metric, tap))
+        if v is None:
+            continue
+        v = float(np.asarray(v, dtype=np.float64).reshape(-1)[0])
+        if METRICS.get(metric) == "min":  # lower bounds (cosine, top-1): widen the deficit
+            out[metric] = min(limit, 1.0 - factor * (1.0 - v))
+        else:
+            out[metric] = max(limit, factor * v)
+    return out

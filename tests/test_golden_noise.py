@@ -1,0 +1,56 @@
+"""The BF16-noise rule (golden/noise.py): free-running limits widen with the reference's own
+BF16 noise, never tighten. Hand-worked values; the end-to-end effect on a chaotic model is in
+``tests/test_calibrate.py`` and docs/validation.md "Calibration"."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3bundle.golden.noise import noise_key, widen
+
+
+def test_an_upper_bound_widens_to_factor_times_the_noise():
+    golden = {noise_key("nmse", "layers.3.mixer_out"): np.asarray(0.01)}
+    assert widen({"nmse": 0.02}, golden, "layers.3.mixer_out", 4.0) == {"nmse": pytest.approx(0.04)}
+
+
+def test_a_quiet_model_keeps_the_fixed_limit():
+    golden = {noise_key("nmse", "t"): np.asarray(1e-3)}  # 4 x 1e-3 < 2e-2: never tighter
+    assert widen({"nmse": 0.02}, golden, "t", 4.0) == {"nmse": 0.02}
+
+
+def test_a_lower_bound_widens_its_deficit():
+    golden = {noise_key("cosine", "t"): np.asarray(0.99), noise_key("top1", "t"): np.asarray(0.75)}
+    out = widen({"cosine": 0.995, "top1": 0.6}, golden, "t", 4.0)
+    assert out["cosine"] == pytest.approx(0.96)  # 1 - 4 x 0.01
+    assert out["top1"] == pytest.approx(0.0)  # 1 - 4 x 0.25 = 0 < 0.6
+    assert widen({"cosine": 0.9}, golden, "t", 4.0) == {"cosine": 0.9}  # already looser
+
+
+def test_factor_zero_or_no_noise_leaves_limits_alone():
+    golden = {noise_key("nmse", "t"): np.asarray(1.0)}
+    assert widen({"nmse": 0.02}, golden, "t", 0.0) == {"nmse": 0.02}
+    assert widen({"nmse": 0.02}, {}, "t", 4.0) == {"nmse": 0.02}
+    assert widen({"max_abs": 1.0}, golden, "t", 4.0) == {"max_abs": 1.0}  # no noise recorded for it
+
+
+def test_goldens_carry_the_noise_of_every_free_running_check(tiny_trained_ckpt, tmp_path):
+    import shutil
+
+    from k3bundle.golden.generate import generate_goldens
+    from k3bundle.golden.store import read_npz
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    shutil.copy(__import__("tests.conftest", fromlist=["REPO"]).REPO / "golden" / "cases" / "greedy.yaml", cases)
+    generate_goldens(tiny_trained_ckpt, out=tmp_path / "g", cases_dir=cases)
+    inter = read_npz(tmp_path / "g" / "golden_intermediates.npz")
+    noise = {k.split("/", 1)[1]: float(np.asarray(v).reshape(-1)[0]) for k, v in inter.items() if "/bf16_noise." in k}
+    assert noise[noise_key("nmse", "layers.8.mixer_out")] > 0  # BF16 differs from float32 ...
+    assert noise[noise_key("nmse", "layers.8.mixer_out")] < 2e-2  # ... and a trained model stays quiet
+    assert 0 < noise[noise_key("kld_mean", "logits")] < 5e-3
+    assert noise[noise_key("nmse", "embed")] == 0.0  # an embedding row is exact in BF16
+    assert any(k.startswith("bf16_noise.drift_nmse.decode_states.layers.") for k in noise)
+    assert generate_goldens(tiny_trained_ckpt, out=tmp_path / "h", cases_dir=cases, noise=False) and \
+        not any("/bf16_noise." in k for k in read_npz(tmp_path / "h" / "golden_intermediates.npz"))
