@@ -43,7 +43,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from k3bundle.golden.tolerances import METRICS, load_tolerances, tap_kind  # noqa: E402
+from k3bundle.golden.tolerances import METRICS, tap_kind  # noqa: E402
 
 CASES = REPO / "golden" / "cases"
 TOLERANCE_FOR = {"b300-tp8": "bf16", "gb300-dep16": "bf16", "h200-tp16-ep16": "bf16", "mi355x-tp8": "fp8",
@@ -59,13 +59,14 @@ def _entries(bundle: Path, suffix: str, rank: int | None = None) -> list[dict]:
     return [e for e in _index(bundle) if e["key"].endswith(suffix) and (rank is None or e["rank"] == rank)]
 
 
-def _read(bundle: Path, e: dict) -> torch.Tensor:
+def read_tensor(bundle: Path, e: dict) -> torch.Tensor:
+    """One device tensor of a bundle, by its index entry."""
     from k3bundle.io import SafetensorsFile
     with SafetensorsFile(bundle / e["file"]) as f:
         return f.get(e["key"]).clone()
 
 
-def _write(bundle: Path, e: dict, new: torch.Tensor) -> None:
+def write_tensor(bundle: Path, e: dict, new: torch.Tensor) -> None:
     """Rewrite one device tensor in place, same dtype and size: a corrupted bundle."""
     from k3bundle.io import SafetensorsFile
     with SafetensorsFile(bundle / e["file"]) as f:
@@ -86,7 +87,7 @@ def fault_dt_bias(bundle, golden, rng):
     """KDA dt_bias negated on the last rank (a sign error in one TP shard)."""
     es = _entries(bundle, "layers.2.self_attn.dt_bias")
     e = max(es, key=lambda x: x["rank"])
-    _write(bundle, e, -_read(bundle, e))
+    write_tensor(bundle, e, -read_tensor(bundle, e))
     return 2, "layers.2.mixer_out"
 
 
@@ -105,17 +106,17 @@ def _expert_slots(bundle: Path, layer: int, e: int, part: str) -> list[tuple[dic
 
 
 def _get_slot(bundle, slot) -> torch.Tensor:
-    t = _read(bundle, slot[0])
+    t = read_tensor(bundle, slot[0])
     return t if slot[1] is None else t[slot[1]]
 
 
 def _set_slot(bundle, slot, value: torch.Tensor) -> None:
     if slot[1] is None:
-        _write(bundle, slot[0], value)
+        write_tensor(bundle, slot[0], value)
     else:
-        t = _read(bundle, slot[0])
+        t = read_tensor(bundle, slot[0])
         t[slot[1]] = value
-        _write(bundle, slot[0], t)
+        write_tensor(bundle, slot[0], t)
 
 
 EXPERT_PARTS = ("w1.weight_packed", "w2.weight_packed", "w3.weight_packed",
@@ -153,8 +154,8 @@ def fault_transposed_shard(bundle, golden, rng):
     """Layer 1's KDA q_proj shard on rank 0 written transposed (row-/column-major confusion;
     same bytes, so a non-square shard is transposed then read back in its own shape)."""
     e = _entries(bundle, "layers.1.self_attn.q_proj.weight", rank=0)[0]
-    t = _read(bundle, e)
-    _write(bundle, e, t.t().contiguous().reshape(t.shape))
+    t = read_tensor(bundle, e)
+    write_tensor(bundle, e, t.t().contiguous().reshape(t.shape))
     return 1, "layers.1.mixer_out"
 
 
@@ -163,9 +164,9 @@ def fault_router_bias(bundle, golden, rng):
     vals, counts = _used(golden, 2)
     ex = int(vals[counts.argmin()])
     for e in _entries(bundle, "layers.2.block_sparse_moe.gate.e_score_correction_bias"):
-        t = _read(bundle, e)
+        t = read_tensor(bundle, e)
         t[ex] += 10.0
-        _write(bundle, e, t)
+        write_tensor(bundle, e, t)
     return 2, "layers.2.router_ids"
 
 
@@ -176,8 +177,8 @@ def _perturb_layer(scale: float):
             if ".layers.5.self_attn." in e["key"] and e["dtype"] in ("BF16", "F32"):
                 # seeded by the key: a replicated tensor gets the same perturbation on every rank
                 gen = torch.Generator().manual_seed(base ^ zlib.crc32(e["key"].encode()))
-                t = _read(bundle, e)
-                _write(bundle, e, (t.double() * (1 + scale * torch.randn(t.shape, generator=gen,
+                t = read_tensor(bundle, e)
+                write_tensor(bundle, e, (t.double() * (1 + scale * torch.randn(t.shape, generator=gen,
                                                                           dtype=torch.float64))).to(t.dtype))
         return 5, "layers.5.mixer_out"
     fault.__doc__ = f"Every BF16/F32 tensor of layer 5's KDA mixer × (1 + {scale:g}·N(0,1)) on every rank."
@@ -213,6 +214,11 @@ def _cases_for(preset: str, seed: int, root: Path) -> Path:
     return d
 
 
+def worse(metric: str, v: float, than: float | None) -> bool:
+    """Is ``v`` a worse value of ``metric`` than ``than`` (None: nothing yet)? (METRICS direction)"""
+    return than is None or (v > than if METRICS.get(metric, "max") == "max" else v < than)
+
+
 def summarise(rep, tol, taps: bool = False) -> dict:
     """Worst value per check key (mode/kind/metric) of one case report, and its verdict."""
     worst: dict[str, float] = {}
@@ -221,8 +227,7 @@ def summarise(rep, tol, taps: bool = False) -> dict:
             if metric not in METRICS or not isinstance(v, float) or math.isnan(v):
                 continue
             key = f"{r.mode}/{tap_kind(r.tap)}/{metric}"
-            better_is_low = METRICS[metric] == "max"
-            if key not in worst or (v > worst[key] if better_is_low else v < worst[key]):
+            if worse(metric, v, worst.get(key)):
                 worst[key] = v
     drift = [v for vals in rep.drift.values() for v in vals]
     if drift:
@@ -372,12 +377,11 @@ def separation(records: list[dict]) -> dict[str, dict]:
             continue
         for key, v in r.get("checks", {}).items():
             metric = key.rsplit("/", 1)[1]
-            low = METRICS.get(metric, "max") == "max"
-            t = table.setdefault(key, {"direction": "max" if low else "min", "clean_worst": None,
+            t = table.setdefault(key, {"direction": METRICS.get(metric, "max"), "clean_worst": None,
                                        "clean_by": None, "clean_n": 0, "fault_best": None, "fault_by": None})
             if r["fault"] is None:
                 t["clean_n"] += 1
-                if t["clean_worst"] is None or (v > t["clean_worst"] if low else v < t["clean_worst"]):
+                if worse(metric, v, t["clean_worst"]):
                     t["clean_worst"], t["clean_by"] = v, f"{r['preset']}:{r['seed']} {r['layout']} {r['device']} {r['case']}"
     for r in records:  # faulted runs located at the planted tap: every check's value there
         if r["fault"] is None or r.get("status") != "fail" or not r.get("first_failure"):
@@ -391,8 +395,7 @@ def separation(records: list[dict]) -> dict[str, dict]:
                 t = table.get(f"{mode}/{tap_kind(tap)}/{metric}")
                 if t is None or metric not in METRICS:
                     continue
-                low = t["direction"] == "max"
-                if t["fault_best"] is None or (v < t["fault_best"] if low else v > t["fault_best"]):
+                if t["fault_best"] is None or worse(metric, t["fault_best"], v):  # the least severe
                     t["fault_best"], t["fault_by"] = v, f"{r['fault']} {r['preset']}:{r['seed']} {r['layout']}"
     return table
 

@@ -20,17 +20,8 @@ for c in greedy thinking tool_call multi_turn long_context image; do cp golden/c
 t() { local s=$EPOCHREALTIME; "$@"; local rc=$?; echo "TIME $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s rc=$rc: $*" | tee -a "$OUT/times.txt"; return $rc; }
 [ "${SKIP_CPU_TESTS:-0}" = 1 ] || t python3 -m pytest -q -x -p no:cacheprovider tests/test_one_forward.py tests/test_validate_devices.py tests/test_validate.py 2>&1 | tail -15 | tee "$OUT/pytest-cpu.txt"
 t $K synth --preset tiny --out $W/tiny >/dev/null
-for spec in "tp2 1" "ep2 2"; do set -- $spec
-  sed "s/{name}/tiny-$1/g; s/{ep}/$2/g; s/{{/{/g; s/}}/}/g" > $W/$1.yaml <<'Y'
-schema_version: 1
-name: {name}
-description: "test layout: {name}"
-card: {{name: test card, count: 2, hbm_bytes: 80_000_000_000, hbm_bandwidth_bytes_per_s: 3.0e+12,
-        link_bandwidth_bytes_per_s: 4.5e+11, peak_flops: {{bf16: 1.0e+15}}}}
-parallel: {{tp: 2, attention_dp: 1, ep: {ep}, pp: 1, expert_placement: contiguous}}
-formats: {{"*": source}}
-Y
-  t $K convert $W/tiny --target $W/$1.yaml --out $W/b-$1 >/dev/null
+for l in tp2 ep2; do  # the test layouts of tests/test_validate.py
+  t $K convert $W/tiny --target tests/layouts/tiny-$l.yaml --out $W/b-$l >/dev/null
 done
 t $K golden $W/b-tp2 --device cuda --cases $W/cases --long-tokens 2048 --out $W/g-cuda >/dev/null
 t $K golden $W/b-tp2 --device cpu --cases $W/cases --long-tokens 2048 --out $W/g-cpu >/dev/null

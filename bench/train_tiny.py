@@ -57,7 +57,7 @@ from k3bundle.formats import mxfp4  # noqa: E402
 from k3bundle.schema import Format, Schema, Section  # noqa: E402
 from k3bundle.synth.presets import preset_config  # noqa: E402
 from k3bundle.synth.tokenizer import load_corpus, write_tokenizer  # noqa: E402
-from k3bundle.synth.weights import logical_values  # noqa: E402
+from k3bundle.synth.weights import logical_values, stored_form  # noqa: E402
 from k3bundle.tokenizer import load_tiktoken  # noqa: E402
 
 PRESET = "tiny-trained"
@@ -252,21 +252,13 @@ def evaluate(ex: Executor, windows: list[torch.Tensor]) -> float:
 
 # ---------------------------------------------------------------- save
 def stored_tensors(w: TrainWeights) -> dict[str, torch.Tensor]:
-    """Every text tensor as the release stores it (the synth writer's rules)."""
+    """Every text tensor as the release stores it (synth's one rule, ``stored_form``)."""
     out = {}
     for spec in w.schema.tensors():
         if spec.role.section is not Section.TEXT or spec.name in out:
             continue
         v = w.params[(spec.role.role, spec.layer, None)].detach().float().cpu()
-        v = v if spec.expert is None else v[spec.expert]
-        if spec.role.fmt is Format.MXFP4:
-            packed, scale = mxfp4.quantize(v, scale_rule="floor")
-            parts = {"packed": packed, "scale": scale}
-            out[spec.name], out[spec.pair_name] = parts[spec.part], parts["scale" if spec.part == "packed" else "packed"]
-        elif spec.dtype == "F32":
-            out[spec.name] = v.contiguous()
-        else:
-            out[spec.name] = v.to(torch.bfloat16).contiguous()
+        out.update(stored_form(spec, v if spec.expert is None else v[spec.expert]))
     return out
 
 

@@ -4,6 +4,7 @@ caught and located; dumps are judged; bad dumps are rejected with exit 2."""
 from __future__ import annotations
 
 import json
+import sys
 import shutil
 from pathlib import Path
 
@@ -14,17 +15,12 @@ from safetensors.torch import save_file
 
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_npz
-from k3bundle.io import SafetensorsFile
 from tests.conftest import REPO, run_cli
 
-LAYOUT = """schema_version: 1
-name: {name}
-description: "test layout: {name}"
-card: {{name: test card, count: 2, hbm_bytes: 80_000_000_000, hbm_bandwidth_bytes_per_s: 3.0e+12,
-        link_bandwidth_bytes_per_s: 4.5e+11, peak_flops: {{bf16: 1.0e+15}}}}
-parallel: {{tp: 2, attention_dp: 1, ep: {ep}, pp: 1, expert_placement: contiguous}}
-formats: {{"*": source}}
-"""
+sys.path.insert(0, str(REPO / "bench"))
+from calibrate import read_tensor, write_tensor  # noqa: E402  (one way to corrupt a bundle in place)
+
+LAYOUTS = REPO / "tests" / "layouts"  # tiny-tp2 (TP 2) and tiny-ep2 (TP 2 + EP 2)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +37,9 @@ def work(tmp_path_factory, tiny_trained_ckpt):
     golden = root / "golden"
     generate_goldens(tiny_ckpt, out=golden, cases_dir=cases, long_tokens=300)
     bundles = {}
-    for name, ep in (("tiny-tp2", 1), ("tiny-ep2", 2)):
-        layout = root / f"{name}.yaml"
-        layout.write_text(LAYOUT.format(name=name, ep=ep))
+    for name in ("tiny-tp2", "tiny-ep2"):
         out = root / name
-        convert(tiny_ckpt, str(layout), out, workers=1)
+        convert(tiny_ckpt, str(LAYOUTS / f"{name}.yaml"), out, workers=1)
         shutil.copytree(golden, out / "validation")
         bundles[name] = out
     return {"root": root, "golden": golden, **bundles}
@@ -66,16 +60,7 @@ def _entry(bundle: Path, rank: int, key_suffix: str) -> dict:
 
 def _patch(bundle: Path, entry: dict, fn) -> None:
     """Rewrite one device tensor in place (same bytes length), as a corrupted bundle would."""
-    path = bundle / entry["file"]
-    with SafetensorsFile(path) as f:
-        info = f.info(entry["key"])
-        t = f.get(entry["key"])
-    new = fn(t.clone()).contiguous()
-    assert new.dtype == t.dtype and new.numel() == t.numel()
-    raw = new.view(torch.uint8).numpy().tobytes() if new.dtype != torch.uint8 else new.numpy().tobytes()
-    with open(path, "r+b") as fh:
-        fh.seek(info.abs_begin)
-        fh.write(raw)
+    write_tensor(bundle, entry, fn(read_tensor(bundle, entry)))
 
 
 def _validate(bundle: Path, *extra: str, env: dict | None = None):
@@ -143,8 +128,7 @@ def test_swapped_experts_are_located(work, tmp_path):
     for w in ("w1.weight_packed", "w2.weight_packed", "w3.weight_packed",
               "w1.weight_scale", "w2.weight_scale", "w3.weight_scale"):
         a, c = _entry(b, 0, f"layers.1.block_sparse_moe.experts.{e0}.{w}"), _entry(b, 1, f"layers.1.block_sparse_moe.experts.{e1}.{w}")
-        with SafetensorsFile(b / a["file"]) as fa, SafetensorsFile(b / c["file"]) as fc:
-            ta, tc = fa.get(a["key"]), fc.get(c["key"])
+        ta, tc = read_tensor(b, a), read_tensor(b, c)
         _patch(b, a, lambda t: tc)
         _patch(b, c, lambda t: ta)
     r, data = _validate(b)

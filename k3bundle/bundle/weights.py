@@ -152,8 +152,7 @@ class BundleWeights(WeightSource):
         return out
 
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
-        pairs = self.slices(role, layer, expert)
-        slices = [(e["source"], v) for e, v in pairs]
+        slices = self.slices(role, layer, expert)
         if not slices:
             if self.rank is None:
                 raise BundleError(f"{self.root}: weights.index.json has no tensor of role {role} "
@@ -162,10 +161,9 @@ class BundleWeights(WeightSource):
         if self.rank is not None:
             t = slices[0][1]
         else:
-            src0 = slices[0][0]
-            t = torch.zeros(src0["logical_shape"], dtype=slices[0][1].dtype)
+            t = torch.zeros(slices[0][0]["source"]["logical_shape"], dtype=slices[0][1].dtype)
             seen: dict[tuple, tuple[int, torch.Tensor]] = {}
-            for entry, v in pairs:
+            for entry, v in slices:
                 src = entry["source"]
                 r0, r1 = src["rows"]
                 region = (r0, r1, *(src.get("cols") or ()))

@@ -28,6 +28,7 @@ import torch
 from k3bundle import metrics as M
 from k3bundle.executor.case import replay_case
 from k3bundle.executor.taps import spec_of
+from k3bundle.golden.store import as_tensor
 from k3bundle.golden.tolerances import METRICS
 
 PREFIX = "bf16_noise."
@@ -37,10 +38,6 @@ def noise_key(metric: str, tap: str) -> str:
     return f"{PREFIX}{metric}.{tap}"
 
 
-def _t(a) -> torch.Tensor:
-    return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-
-
 def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[int]) -> dict[str, np.ndarray]:
     """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key)."""
     run = replay_case(bf16_weights, golden, ids).arrays
@@ -48,7 +45,7 @@ def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[i
     for name, x in run.items():
         if name not in golden:
             continue
-        ref = _t(golden[name])
+        ref = as_tensor(golden[name])
         if name.startswith("decode_states."):
             steps = min(ref.shape[0], x.shape[0])
             out[noise_key("drift_nmse", name)] = max((M.nmse(ref[i], x[i]) for i in range(steps)), default=0.0)

@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import torch
 import zstandard
 
 from k3bundle.golden.errors import GoldenFileError
@@ -35,6 +36,13 @@ def to_numpy(t) -> np.ndarray:
     """A torch tensor as stored in a golden file (numpy has no bfloat16: those become float32)."""
     t = t.detach().cpu()
     return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()
+
+
+def as_tensor(a) -> torch.Tensor | None:
+    """A golden array (numpy) as a torch tensor, without a copy; tensors and None pass through."""
+    if a is None or isinstance(a, torch.Tensor):
+        return a
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def content_hash(arrays: dict[str, np.ndarray]) -> str:

@@ -17,11 +17,10 @@ from importlib import resources
 import torch
 
 from k3bundle.errors import SynthError
+from k3bundle.io.dtypes import TORCH_TO_SAFETENSORS
 from k3bundle.schema import Schema, Section
 
 MAX_BYTES = 256 << 20  # a shipped model is a few MB; refuse anything absurd before allocating
-
-_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 
 
 def data_root():
@@ -50,7 +49,7 @@ def load_trained(relpath: str, schema: Schema) -> dict[str, torch.Tensor]:
                          f"({len(missing)} missing, {len(extra)} unexpected; {what})")
     for name, spec in want.items():
         t = tensors[name]
-        if tuple(t.shape) != spec.shape or t.dtype != _DTYPES[spec.dtype]:
+        if tuple(t.shape) != spec.shape or TORCH_TO_SAFETENSORS.get(t.dtype) != spec.dtype:
             raise SynthError(f"k3bundle/data/{relpath}: {name} is {t.dtype} {tuple(t.shape)}, "
                              f"the schema says {spec.dtype} {spec.shape}")
     return tensors

@@ -65,6 +65,16 @@ def logical_values(schema: Schema, spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
 
 
+def stored_form(spec: TensorSpec, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A logical tensor's float values as the release stores them: {name: tensor}, both halves
+    of an MXFP4 pair (OCP FLOOR scale rule), else BF16 or F32 as declared."""
+    if spec.role.fmt is Format.MXFP4:
+        packed, scales = mxfp4.quantize(values, scale_rule="floor")
+        parts = {"packed": packed, "scale": scales}
+        return {spec.name: parts[spec.part], spec.pair_name: parts["scale" if spec.part == "packed" else "packed"]}
+    return {spec.name: values.float().contiguous() if spec.dtype == "F32" else values.to(torch.bfloat16).contiguous()}
+
+
 def make_tensors(schema: Schema, specs: list[TensorSpec], seed: int,
                  fixed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Stored tensors for ``specs``: BF16/F32 as declared, MXFP4 as (packed, scale) pairs;
@@ -76,16 +86,7 @@ def make_tensors(schema: Schema, specs: list[TensorSpec], seed: int,
         if fixed is not None and spec.name in fixed:
             out[spec.name] = fixed[spec.name]
             continue
-        values = logical_values(schema, spec, seed)
-        if spec.role.fmt is Format.MXFP4:
-            packed, scales = mxfp4.quantize(values, scale_rule="floor")
-            parts = {"packed": packed, "scale": scales}
-            out[spec.name] = parts[spec.part]
-            out[spec.pair_name] = parts["scale" if spec.part == "packed" else "packed"]
-        elif spec.dtype == "F32":
-            out[spec.name] = values
-        else:
-            out[spec.name] = values.to(torch.bfloat16)
+        out.update(stored_form(spec, logical_values(schema, spec, seed)))
     for spec in specs:  # every tensor must have its declared stored shape and dtype
         t = out[spec.name]
         assert tuple(t.shape) == spec.shape, (spec.name, tuple(t.shape), spec.shape)

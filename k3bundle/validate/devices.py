@@ -24,15 +24,10 @@ import torch
 
 from k3bundle.executor import Executor
 from k3bundle.executor.case import replay_case
+from k3bundle.golden.store import as_tensor
 from k3bundle.validate.dumps import read_dump
 
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
-
-
-def as_tensor(a) -> torch.Tensor | None:
-    if a is None or isinstance(a, torch.Tensor):
-        return a
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 @dataclass
