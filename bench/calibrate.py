@@ -7,6 +7,9 @@
     python bench/calibrate.py table /tmp/cal/records.jsonl --seeds 0-9
     # false-alarm and detection rates on held-out seeds, against the shipped tolerance files
     python bench/calibrate.py rates /tmp/cal/records.jsonl --seeds 100-149
+    # each limit of a tolerance file between the clean worst and the faulted best; --write
+    # records the clean worst in the file's calibration section (the sign-off report shows it)
+    python bench/calibrate.py limits /tmp/cal/records.jsonl --seeds 0-9 --tolerance bf16 [--write --run TEXT]
 
 A *job* is (preset, seed, layout, device): synth the checkpoint (``tiny``: the seed draws the
 weights; ``tiny-trained``: one model, the seed draws the prompts: a greedy prompt of corpus
@@ -15,9 +18,10 @@ sentences and the long-context filler), convert it, make float32 goldens on the 
 - **clean**: validate the bundle on ``--device`` with every shipped case and record, per case,
   the worst value of every (mode, tap kind, metric) check, the greedy result, the state drift
   and whether the case passed;
-- **faulted**: for each fault in ``FAULTS`` (a copy of the bundle with one planted defect) run
-  the greedy case and record the same plus where validate located the first failure and where
-  the fault was planted.
+- **faulted**: for each fault in ``FAULTS`` (a copy of the bundle with one planted defect) and
+  ``SERVING_FAULTS`` (the clean bundle on a device whose decode-time cache handling is wrong)
+  run the greedy case and record the same plus where validate located the first failure and
+  where the fault was planted.
 
 Records are appended to ``records.jsonl`` as jobs finish, so an interrupted run keeps what it
 measured and ``run`` skips jobs already recorded.
@@ -43,7 +47,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from k3bundle.golden.tolerances import METRICS, tap_kind  # noqa: E402
+from k3bundle.errors import K3Error  # noqa: E402
+from k3bundle.golden.tolerances import METRICS  # noqa: E402
+from k3bundle.validate.margin import check_key  # noqa: E402
 
 CASES = REPO / "golden" / "cases"
 TOLERANCE_FOR = {"b300-tp8": "bf16", "gb300-dep16": "bf16", "h200-tp16-ep16": "bf16", "mi355x-tp8": "fp8",
@@ -185,10 +191,51 @@ def _perturb_layer(scale: float):
     return fault
 
 
+# ---------------------------------------------------------------- faults (serving path)
+# A serving engine's cache handling between decode steps, planted through the device's
+# ``after_step`` hook on a clean bundle: the weights are right, the decode path is not.
+SERVING_STEP = 4  # planted after this decode step (0-based); the greedy case decodes 16
+
+
+def fault_kda_state_late(text):
+    """A KDA layer's state (recurrent and conv) restored one step late: after decode step
+    SERVING_STEP the engine puts back the state it had saved one step earlier."""
+    layer = next(l for l in text.kda_layers if l >= 4)
+    saved = {}
+
+    def after_step(step, cache):
+        s = cache.layers[layer]
+        if step == SERVING_STEP - 1:
+            saved["s"] = s.clone()
+        elif step == SERVING_STEP:
+            s.recurrent_HKV.copy_(saved["s"].recurrent_HKV)
+            s.conv_3WP.copy_(saved["s"].conv_3WP)
+    return after_step, (layer, f"decode.layers.{layer}.mixer_out")
+
+
+def fault_mla_row_dropped(text):
+    """One row of an MLA layer's latent cache lost (a page slot skipped): after decode step
+    SERVING_STEP the row of the middle prompt token is gone and later steps attend without it."""
+    layer = text.mla_layers[0]
+
+    def after_step(step, cache):
+        if step == SERVING_STEP:
+            s = cache.layers[layer]
+            j = s.length // 2
+            kept = torch.cat([s.latent_SC[:j], s.latent_SC[j + 1:]]).clone()
+            s.buffer_SC[: s.length - 1] = kept
+            s.length -= 1
+    return after_step, (layer, f"decode.layers.{layer}.mixer_out")
+
+
+SERVING_FAULTS = {"kda_state_late": fault_kda_state_late, "mla_row_dropped": fault_mla_row_dropped}
+
+
 FAULTS = {"dt_bias": fault_dt_bias, "swap_experts": fault_swap_experts, "scale_byte": fault_scale_byte,
           "transposed_shard": fault_transposed_shard, "router_bias": fault_router_bias,
           "weight_1e-3": _perturb_layer(1e-3), "weight_1e-2": _perturb_layer(1e-2),
           "weight_1e-1": _perturb_layer(1e-1)}
+ALL_FAULTS = [*FAULTS, *SERVING_FAULTS]
 
 
 # ---------------------------------------------------------------- one job
@@ -226,12 +273,13 @@ def summarise(rep, tol, taps: bool = False) -> dict:
         for metric, v in r.values.items():
             if metric not in METRICS or not isinstance(v, float) or math.isnan(v):
                 continue
-            key = f"{r.mode}/{tap_kind(r.tap)}/{metric}"
+            key = check_key(r.mode, r.tap, metric)
             if worse(metric, v, worst.get(key)):
                 worst[key] = v
-    drift = [v for vals in rep.drift.values() for v in vals]
-    if drift:
-        worst["state/drift/drift_nmse"] = max(drift)
+    for name, vals in rep.drift.items():
+        key = check_key("state", name, "drift_nmse")
+        if vals and worse("drift_nmse", max(vals), worst.get(key)):
+            worst[key] = max(vals)
     ff = rep.first_failure
     out = {"case": rep.name, "status": rep.status, "checks": worst,
            "first_failure": None if ff is None else {"layer": ff.layer, "tap": ff.tap, "mode": ff.mode,
@@ -245,11 +293,13 @@ def summarise(rep, tol, taps: bool = False) -> dict:
     return out
 
 
-def _judge(bundle: Path, device: str, only: list[str] | None):
+def _judge(bundle: Path, device: str, only: list[str] | None, after_step=None):
+    from k3bundle.validate.devices import InProcess
     from k3bundle.validate.run import _case_arrays, judge_case, load_goldens
-    from k3bundle.validate.sources import open_device
+    from k3bundle.validate.sources import open_device, weights_for
     inputs, inter, meta, tol = load_goldens(bundle / "validation")
-    dev = open_device(bundle, device=device)
+    dev = open_device(bundle, device=device) if after_step is None else \
+        InProcess(weights_for(bundle, device), device, after_step=after_step, source=bundle)
     names = [e["name"] for e in meta["cases"] if e.get("status") == "ok" and (only is None or e["name"] in only)]
     dev.prepare(bundle / "validation", names)
     kinds = {e["name"]: e["kind"] for e in meta["cases"]}
@@ -284,6 +334,13 @@ def run_job(job: dict) -> list[dict]:
         from k3bundle.golden.store import read_npz
         inter = read_npz(bundle / "validation" / "golden_intermediates.npz")
     for name in job["faults"]:
+        if name in SERVING_FAULTS:
+            from k3bundle.config import load_config
+            hook, where = SERVING_FAULTS[name](load_config(bundle).text)
+            reps, tol, _ = _judge(bundle, job["device"], ["greedy"], after_step=hook)
+            records += [{**base, "fault": name, "planted": {"layer": where[0], "tap": where[1]},
+                         **summarise(r, tol, taps=True)} for r in reps]
+            continue
         fb = root / f"fault-{job['worker']}"
         shutil.rmtree(fb, ignore_errors=True)
         shutil.copytree(bundle, fb)
@@ -292,9 +349,16 @@ def run_job(job: dict) -> list[dict]:
             records.append({**base, "fault": name, "case": "greedy", "status": "n/a",
                             "reason": "no such tensor in this layout"})
             continue
-        reps, tol, _ = _judge(fb, job["device"], ["greedy"])
-        records += [{**base, "fault": name, "planted": {"layer": where[0], "tap": where[1]},
-                     **summarise(r, tol, taps=True)} for r in reps]
+        planted = {"layer": where[0], "tap": where[1]}
+        try:
+            reps, tol, _ = _judge(fb, job["device"], ["greedy"])
+        except K3Error as e:  # refused before any arithmetic (e.g. replicas that differ): named, exit 2
+            from k3bundle.executor.taps import layer_of
+            records.append({**base, "fault": name, "planted": planted, "case": "greedy", "status": "refused",
+                            "first_failure": {"layer": layer_of(str(e)), "tap": None, "mode": "refused"},
+                            "reason": str(e)})
+        else:
+            records += [{**base, "fault": name, "planted": planted, **summarise(r, tol, taps=True)} for r in reps]
         shutil.rmtree(fb, ignore_errors=True)
     shutil.rmtree(bundle, ignore_errors=True)
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -342,7 +406,7 @@ def cmd_run(args) -> None:
                 jobs.append({"root": str(args.out), "preset": preset, "seed": seed, "layout": layout,
                              "device": args.device, "long_tokens": args.long_tokens, "threads": args.threads,
                              "clean": not args.faults_only,
-                             "faults": [] if args.no_faults else list(FAULTS)})
+                             "faults": [] if args.no_faults else args.fault or ALL_FAULTS})
     for i, j in enumerate(jobs):
         j["worker"] = f"{j['preset']}-{j['seed']}-{j['layout']}-{j['device'].replace(':', '')}"  # unique dirs
     t0 = time.time()
@@ -363,6 +427,8 @@ def load_records(paths: list[Path], seeds: list[int] | None) -> list[dict]:
     for p in paths:
         for line in Path(p).read_text().splitlines():
             r = json.loads(line)
+            # records before 2026-12-01's serving-path run pooled every state's drift in one key
+            r.get("checks", {}).pop("state/drift/drift_nmse", None)
             if seeds is None or r["seed"] in seeds:
                 out.append(r)
     return out
@@ -388,11 +454,14 @@ def separation(records: list[dict]) -> dict[str, dict]:
             continue
         if r["first_failure"]["tap"] != r["planted"]["tap"]:
             continue
+        exact_only = r["first_failure"].get("mode") == "exact"
         for mode, tap, values in r.get("taps", []):
-            if tap != r["planted"]["tap"]:
+            # a fault only the exact check sees is below the device-precision checks' reach: it
+            # says nothing about where their limits separate clean from faulted
+            if tap != r["planted"]["tap"] or (exact_only and mode != "exact"):
                 continue
             for metric, v in values.items():
-                t = table.get(f"{mode}/{tap_kind(tap)}/{metric}")
+                t = table.get(check_key(mode, tap, metric))
                 if t is None or metric not in METRICS:
                     continue
                 if t["fault_best"] is None or worse(metric, t["fault_best"], v):  # the least severe
@@ -402,16 +471,18 @@ def separation(records: list[dict]) -> dict[str, dict]:
 
 def rates(records: list[dict], tol_of) -> dict:
     clean = [r for r in records if r["fault"] is None and r.get("status") in ("pass", "fail")]
-    faulted = [r for r in records if r["fault"] is not None and r.get("status") in ("pass", "fail")]
-    located = [r for r in faulted if r["status"] == "fail" and r.get("first_failure")
-               and (r["first_failure"]["layer"], r["first_failure"]["tap"]) == (r["planted"]["layer"], r["planted"]["tap"])]
+    faulted = [r for r in records if r["fault"] is not None and r.get("status") in ("pass", "fail", "refused")]
+    # located: the first failure is the planted layer and tap; a refusal names the tensor, so its layer
+    located = [r for r in faulted if r["status"] in ("fail", "refused") and r.get("first_failure")
+               and r["first_failure"]["layer"] == r["planted"]["layer"]
+               and r["first_failure"]["tap"] in (r["planted"]["tap"], None if r["status"] == "refused" else "")]
     bundles = {(r["preset"], r["seed"], r["layout"], r["device"]) for r in clean}
     failed_bundles = {(r["preset"], r["seed"], r["layout"], r["device"]) for r in clean if r["status"] == "fail"}
     by_fault: dict[str, list[int]] = {}
     for r in faulted:
         d = by_fault.setdefault(r["fault"], [0, 0, 0])
         d[0] += 1
-        d[1] += r["status"] == "fail"
+        d[1] += r["status"] in ("fail", "refused")
         d[2] += r in located
     return {"clean_cases": len(clean), "clean_case_failures": sum(r["status"] == "fail" for r in clean),
             "clean_bundles": len(bundles), "clean_bundle_failures": len(failed_bundles),
@@ -453,6 +524,84 @@ def cmd_rates(args) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 
+GATED = ("nmse", "cosine", "kld_mean", "kld_p99", "top1", "expert_set", "drift_nmse")  # metrics with limits
+
+
+def limit_of(tol, key: str) -> float | None:
+    """The tolerance file's (fixed) limit for a check key, None where it has none."""
+    mode, kind, metric = key.split("/")
+    if mode in ("added", "inherited", "emulation"):
+        return tol.limits(mode, kind).get(metric)
+    section = {"distribution": tol.logits, "router": tol.router, "state": tol.state}.get(mode, {})
+    return section.get(metric)
+
+
+def limit_rows(table: dict, tol) -> list[dict]:
+    """Per gated check: the limit against the calibrated clean worst and the faulted best."""
+    rows = []
+    for key in sorted(table):
+        t, metric = table[key], key.rsplit("/", 1)[1]
+        limit = limit_of(tol, key)
+        if metric not in GATED or limit is None or t["clean_worst"] is None:
+            continue
+        cw, fb = t["clean_worst"], t["fault_best"]
+        clean_ok = not worse(metric, cw, limit) and cw != limit
+        fault_ok = fb is None or worse(metric, fb, limit)
+        # a free-running limit is a floor: validate widens it per golden with the reference's own
+        # BF16 noise (golden/noise.py), so its evidence is the held-out false-alarm rate
+        floor = key.split("/")[0] in ("inherited", "distribution", "state") and tol.noise.get("factor", 0) > 0
+        rows.append({"key": key, "limit": limit, "clean_worst": cw, "clean_by": t["clean_by"], "fault_best": fb,
+                     "fault_by": t["fault_by"], "between": clean_ok and fault_ok, "floor": floor,
+                     "safety": _ratio(metric, limit, cw), "headroom": None if fb is None else _ratio(metric, fb, limit)})
+    return rows
+
+
+def show(metric: str, v: float) -> str:
+    """A value as people read it: a lower bound near 1 by its deficit (1 − 7.1e-05)."""
+    return f"1 − {1 - v:.2g}" if METRICS.get(metric) == "min" and 0.99 < v < 1 else f"{v:.3g}"
+
+
+def _ratio(metric: str, a: float, b: float) -> float:
+    """How many times further from perfect ``a`` is than ``b`` (both in the metric's direction)."""
+    from k3bundle.validate.margin import ratio
+    return ratio(metric, a, b)
+
+
+def calibration_yaml(table: dict, run: str) -> str:
+    """The tolerance file's ``calibration`` section: the run, and each gated check's clean worst."""
+    lines = ["calibration:                 # written by bench/calibrate.py limits --write: evidence, not limits",
+             f"  run: {json.dumps(run)}", "  clean_worst:"]
+    for key in sorted(table):
+        cw = table[key]["clean_worst"]
+        if key.rsplit("/", 1)[1] in GATED and cw is not None:
+            lines.append(f"    {key}: {cw:.8g}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_limits(args) -> None:
+    from k3bundle.golden.tolerances import load_tolerances, tolerance_path
+    recs = load_records(args.records, _seeds(args.seeds) if args.seeds else None)
+    path = tolerance_path(args.tolerance)
+    layouts = [k for k, v in TOLERANCE_FOR.items() if v == path.stem]
+    table = separation([r for r in recs if r["layout"] in layouts])
+    tol = load_tolerances(path)
+    print(f"{path} (layouts {', '.join(layouts)}; {len(recs)} records)\n")
+    print("| check | limit | calibrated clean worst | limit / clean (safety) | faulted best | fault / limit | |")
+    print("|---|---|---|---|---|---|---|")
+    for r in limit_rows(table, tol):
+        m = r["key"].rsplit("/", 1)[1]
+        fb = "–" if r["fault_best"] is None else f"{show(m, r['fault_best'])} ({r['fault_by']})"
+        hr = "–" if r["headroom"] is None else f"{r['headroom']:.3g}×"
+        print(f"| {r['key']} | {show(m, r['limit'])} | {show(m, r['clean_worst'])} ({r['clean_by']}) | {r['safety']:.3g}× | "
+              f"{fb} | {hr} | {'between' if r['between'] else 'floor, widened per golden' if r['floor'] else '**not between**'} |")
+    if args.write:
+        text = path.read_text()
+        head = text.split("\ncalibration:", 1)[0].rstrip("\n") + "\n"
+        path.write_text(head + calibration_yaml(table, args.run or "see tolerances/calibration/"))
+        load_tolerances(path)  # what was written reads back
+        print(f"\nwrote the calibration section of {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -466,6 +615,7 @@ def main() -> None:
     r.add_argument("--long-tokens", type=int, default=512)
     r.add_argument("--no-faults", action="store_true")
     r.add_argument("--faults-only", action="store_true")
+    r.add_argument("--fault", action="append", choices=ALL_FAULTS, help="only these faults (default: all)")
     r.set_defaults(fn=cmd_run)
     for name, fn in (("table", cmd_table), ("rates", cmd_rates)):
         t = sub.add_parser(name)
@@ -473,6 +623,14 @@ def main() -> None:
         t.add_argument("--seeds")
         t.add_argument("--json")
         t.set_defaults(fn=fn)
+    lim = sub.add_parser("limits", help="each limit of a tolerance file against the calibrated clean worst and "
+                                        "faulted best; --write records the clean worst in the file")
+    lim.add_argument("records", type=Path, nargs="+")
+    lim.add_argument("--tolerance", required=True, help="bf16, fp8 or a file")
+    lim.add_argument("--seeds")
+    lim.add_argument("--write", action="store_true")
+    lim.add_argument("--run", help="the citation written into the file (seeds, presets, devices, date)")
+    lim.set_defaults(fn=cmd_limits)
     args = ap.parse_args()
     args.fn(args)
 

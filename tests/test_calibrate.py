@@ -21,7 +21,8 @@ def records(tmp_path_factory):
     root = tmp_path_factory.mktemp("cal")
     job = {"root": str(root), "preset": "tiny-trained", "seed": 1, "layout": "b300-tp8", "device": "cpu",
            "long_tokens": 96, "threads": 2, "clean": True, "worker": "t",
-           "faults": ["dt_bias", "router_bias", "transposed_shard", "weight_1e-1"]}
+           "faults": ["dt_bias", "router_bias", "transposed_shard", "weight_1e-3", "kda_state_late",
+                      "mla_row_dropped"]}
     return calibrate.run_job(job)
 
 
@@ -34,10 +35,22 @@ def test_clean_bundle_passes_every_case(records):
 
 def test_planted_faults_are_located(records):
     faulted = {r["fault"]: r for r in records if r["fault"] is not None}
-    assert set(faulted) == {"dt_bias", "router_bias", "transposed_shard", "weight_1e-1"}
+    assert set(faulted) == {"dt_bias", "router_bias", "transposed_shard", "weight_1e-3", "kda_state_late",
+                            "mla_row_dropped"}
     for name, r in faulted.items():
         assert r["status"] == "fail", name
         assert r["first_failure"]["tap"] == r["planted"]["tap"], (name, r["first_failure"])
+    # below the BF16 floor only the exact check (float32 on the goldens' weights) sees it
+    assert faulted["weight_1e-3"]["first_failure"]["mode"] == "exact"
+    # a serving-path fault is seen by the teacher-forced decode step, at the layer whose cache it hit
+    assert faulted["kda_state_late"]["first_failure"]["tap"].startswith("decode.layers.")
+    assert faulted["mla_row_dropped"]["first_failure"]["mode"] in ("added", "exact")
+
+
+def test_clean_bundle_reproduces_the_goldens_exactly(records):
+    """float32 on the goldens' own weights, same machine: the exact check's clean value is 0."""
+    exact = [v for r in records if r["fault"] is None for k, v in r["checks"].items() if k == "exact/mixer_out/nmse"]
+    assert exact and max(exact) == 0.0
 
 
 def test_summaries_read_the_records(records):
@@ -48,3 +61,46 @@ def test_summaries_read_the_records(records):
     rates = calibrate.rates(records, None)
     assert rates["clean_bundle_failures"] == 0 and rates["clean_bundles"] == 1
     assert all(v["located"] == v["runs"] == 1 for v in rates["faults"].values())
+
+
+# ---------------------------------------------------------------- the shipped limits and their evidence
+REPO = Path(__file__).resolve().parents[1]
+CAL = REPO / "tolerances" / "calibration"
+
+
+def _calibration_records():
+    import gzip
+    import json
+    lines = []
+    for name in ("records-2026-12-01-cpu-calibration.jsonl.gz", "records-2026-12-01-cpu-calibration-2.jsonl.gz"):
+        lines += gzip.decompress((CAL / name).read_bytes()).decode().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_shipped_limits_sit_between_clean_and_faulted(name):
+    """Recomputed from the committed calibration records (seeds 0-4): the file's calibration
+    section is what they give, and every teacher-forced limit passes the worst clean value and
+    fails the least severe fault located there."""
+    from k3bundle.golden.tolerances import load_tolerances, tolerance_path
+    recs = [r for r in _calibration_records() if r["seed"] in range(5)]
+    for r in recs:
+        r.get("checks", {}).pop("state/drift/drift_nmse", None)
+    path = tolerance_path(name)
+    layouts = [k for k, v in calibrate.TOLERANCE_FOR.items() if v == name]
+    table = calibrate.separation([r for r in recs if r["layout"] in layouts])
+    tol = load_tolerances(path)
+    expected = {k: t["clean_worst"] for k, t in table.items()
+                if t["clean_worst"] is not None and k.rsplit("/", 1)[1] in calibrate.GATED}
+    assert set(tol.calibrated_clean_worst) == set(expected)
+    for k, v in expected.items():
+        assert tol.calibrated_clean_worst[k] == pytest.approx(v, rel=1e-7, abs=1e-12), k
+    rows = {r["key"]: r for r in calibrate.limit_rows(table, tol)}
+    teacher_forced = [k for k in rows if k.split("/")[0] in ("added", "router")]
+    assert len(teacher_forced) >= 10
+    for k in teacher_forced:
+        assert rows[k]["between"], rows[k]
+    if name == "bf16":  # the stated safety: >= 2.5x the clean worst, <= 1/2 the least severe fault
+        for k in teacher_forced:
+            assert rows[k]["safety"] >= 2.5, rows[k]
+            assert rows[k]["headroom"] is None or rows[k]["headroom"] >= 2.0, rows[k]

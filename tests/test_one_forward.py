@@ -46,6 +46,45 @@ def test_teacher_forced_on_its_own_taps_reproduces_the_free_run(f64):
         assert torch.equal(outs[f"own.layers.{l}.router_ids"], rec[f"layers.{l}.router_ids"])
 
 
+def test_teacher_forced_decode_on_its_own_taps_reproduces_the_decode_steps(f64):
+    """Teacher-forced decode fed a run's own decode taps gives that run's decode outputs: the
+    decode path (KDA recurrence, absorbed MLA) is judged layer by layer on the cache the fed
+    prefill built, which here is the run's own."""
+    ids = _ids(20, seed=6)
+    run = run_case(f64, ids, list(range(20)), steps=5).arrays
+    feed = {k: v for k, v in run.items()}
+    outs = Executor(f64).teacher_forced(feed.get, decode=True)
+    decoded = sorted(k for k in outs if k.startswith("decode."))
+    assert decoded and all(k in run for k in decoded)
+    assert outs["decode.logits"].shape[0] == 4  # steps - 1 decode calls
+    for name in decoded:
+        torch.testing.assert_close(outs[name], run[name], rtol=1e-12, atol=1e-12, msg=name)
+    t = f64.config.text
+    for l in t.moe_layers:
+        assert torch.equal(outs[f"own.decode.layers.{l}.router_ids"], run[f"decode.layers.{l}.router_ids"])
+    assert not any(k.startswith("decode.") for k in Executor(f64).teacher_forced(feed.get))  # opt-in
+
+
+def test_teacher_forced_decode_sees_a_cache_fault(f64):
+    """A cache handled wrongly between decode steps (one MLA latent row lost after step 1)
+    changes that MLA layer's own decode output, not the layers before it."""
+    ids = _ids(20, seed=7)
+    run = run_case(f64, ids, list(range(20)), steps=5).arrays
+    mla = f64.config.text.mla_layers[0]
+
+    def drop_row(step, cache):
+        if step == 1:
+            s = cache.layers[mla]
+            s.buffer_SC[5: s.length - 1] = s.latent_SC[6:].clone()
+            s.length -= 1
+    outs = Executor(f64).teacher_forced(run.get, decode=True, after_step=drop_row)
+    key = f"decode.layers.{mla}.mixer_out"
+    torch.testing.assert_close(outs[key][:2], run[key][:2], rtol=1e-12, atol=1e-12)  # before the loss
+    assert not torch.allclose(outs[key][2:], run[key][2:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[f"decode.layers.{mla - 1}.ffn_out"], run[f"decode.layers.{mla - 1}.ffn_out"],
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_teacher_forcing_isolates_one_layer(f64):
     """A fault fed into one layer's output moves that layer's stream only: the next layer's
     output computed on the faulty feed differs, but every earlier layer's output is untouched."""

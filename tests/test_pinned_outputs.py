@@ -29,9 +29,11 @@ BUNDLE_DIGESTS = {
     "new-accelerator.example": "afae000c4a39d9261d7b240cdd65ec99706be622850614fb95e6a4a16370b1d3",
 }
 # synth tiny seed 0, goldens of the checkpoint with the long-context case at 256 tokens: every
-# array, and the float32 reference arrays alone (the BF16-noise arrays, golden/noise.py, were
-# added after the reference was pinned; the reference itself did not change)
-GOLDEN_CONTENT_HASH_1_THREAD = "a516fb091776c9f475fc159646cea8e8f453e98a740263288e2a24b03731415f"
+# array; every array but the per-step logit shift (added with the greedy noise rule; the earlier
+# pin of every array, which must not move); and the float32 reference arrays alone (the BF16-noise
+# arrays, golden/noise.py, were added after the reference was pinned; the reference did not change)
+GOLDEN_CONTENT_HASH_1_THREAD = "52d52edc9d5fd691324df01dafe1b91d52d7b7fb2c7d9ef822d69d9500fb5fbb"
+BEFORE_LOGIT_SHIFT_CONTENT_HASH_1_THREAD = "a516fb091776c9f475fc159646cea8e8f453e98a740263288e2a24b03731415f"
 REFERENCE_CONTENT_HASH_1_THREAD = "85516e13da23a8a762d7fe7573b04cdd931087778d1c2d5c3fdffffd2f6576e1"
 
 
@@ -62,5 +64,7 @@ def test_golden_content_hash_is_pinned(tiny_ckpt, tmp_path):
     from k3bundle.golden.store import content_hash, read_npz
 
     inter = read_npz(tmp_path / "g" / "golden_intermediates.npz")
+    before = {k: v for k, v in inter.items() if k != "__meta__" and "/bf16_noise.logit_shift." not in k}
+    assert content_hash(before) == BEFORE_LOGIT_SHIFT_CONTENT_HASH_1_THREAD
     reference = {k: v for k, v in inter.items() if k != "__meta__" and "/bf16_noise." not in k}
     assert content_hash(reference) == REFERENCE_CONTENT_HASH_1_THREAD

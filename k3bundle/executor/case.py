@@ -22,7 +22,7 @@ The arrays are named as in the golden files (docs/golden.md), keys relative to t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,8 @@ def _state_kind(s) -> str:
 
 def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
              tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
-             snapshot_at: Sequence[int] | None = None, record_routes: bool = False) -> CaseRun:
+             snapshot_at: Sequence[int] | None = None, record_routes: bool = False,
+             after_step: Callable[[int, ModelCache], None] | None = None) -> CaseRun:
     """Prefill ``ids`` recording every tap at ``positions``, then decode.
 
     Args:
@@ -61,6 +62,8 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
         forced_routes: ``{"layers.{l}.router_ids": ids [positions, K]}`` to replay.
         snapshot_at: chunk-boundary positions at which to keep the KDA states (None: no snapshots).
         record_routes: record every position's expert choice (``routes.…``).
+        after_step: ``after_step(i, cache)`` after decode step i's states are kept: a serving
+            engine's cache handling between steps (calibration plants serving-path faults here).
     """
     positions = [int(p) for p in positions]
     steps = len(tokens) if tokens is not None else steps
@@ -92,7 +95,11 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
 
     def keep_states(c: ModelCache) -> None:
         for l, s in enumerate(c.layers):
-            per_step.setdefault(f"decode_states.layers.{l}.{_state_kind(s)}", []).append(_state_row(s).cpu())
+            # a copy: the cache's tensors may be views the next step (or the engine) changes
+            per_step.setdefault(f"decode_states.layers.{l}.{_state_kind(s)}", []).append(
+                _state_row(s).to("cpu", copy=True))
+        if after_step is not None:
+            after_step(c.length - len(ids) - 1, c)  # the step just decoded, from 0
 
     chosen, step_logits = ex.decode_steps(logits_TV, cache, steps, tokens, keep_states)
     out["greedy_tokens"] = torch.tensor(chosen, dtype=torch.long)
@@ -114,9 +121,11 @@ def golden_routes(golden) -> dict[str, torch.Tensor]:
     return {k[len(p):]: torch.as_tensor(v) for k, v in golden.items() if k.startswith(p)}
 
 
-def replay_case(weights, golden, ids: Sequence[int]) -> CaseRun:
+def replay_case(weights, golden, ids: Sequence[int],
+                after_step: Callable[[int, ModelCache], None] | None = None) -> CaseRun:
     """A golden case run again: the golden routes replayed and decode fed the golden tokens, so
     every array stays comparable with the golden one after a near tie (validate's built-in
     device, and the goldens' own BF16 noise)."""
     return run_case(weights, [int(i) for i in ids], [int(p) for p in golden["positions"]],
-                    tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden))
+                    tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
+                    after_step=after_step)

@@ -50,6 +50,11 @@ from k3bundle.executor.weights import WeightSource
 Feed = Callable[[str], "torch.Tensor | None"]
 
 
+def _row(v, i: int):
+    """Row i of a fed [steps, ...] tap, kept as [1, ...] (one decode token), or None."""
+    return None if v is None else torch.as_tensor(v)[i:i + 1]
+
+
 @dataclass
 class Generation:
     prefill_logits: torch.Tensor  # [T, V]
@@ -123,7 +128,8 @@ class Executor:
         tokens, step_logits = self.decode_steps(logits_TV, cache, steps)
         return Generation(logits_TV, tokens, step_logits, cache)
 
-    def teacher_forced(self, feed: Feed) -> dict[str, torch.Tensor]:
+    def teacher_forced(self, feed: Feed, decode: bool = False,
+                       after_step: Callable[[int, ModelCache], None] | None = None) -> dict[str, torch.Tensor]:
         """Every layer's outputs computed on ``feed``'s inputs (one prefill, fresh cache).
 
         ``feed(name)`` returns a full-sequence tap ([T, ...], every position) or None. The
@@ -134,10 +140,29 @@ class Executor:
         output is the embedding itself and is left out); ``own.layers.{l}.router_ids`` is the
         layer's own, unforced expert choice and ``noise.layers.{l}.router_margin`` how far its
         selection margin can move from the rounding of its input (``latent_moe.margin_noise``).
-        Values are CPU tensors.
+
+        ``decode``: then continue with one decode step per row of the fed ``decode.embed``, each
+        fed row i of the ``decode.…`` taps, on the cache the fed prefill built; the outputs are
+        named ``decode.…`` (``own.decode.…``). So the decode path — the KDA recurrence, the
+        absorbed MLA form, and the cache between steps (``after_step(i, cache)`` after step i,
+        as in ``case.run_case``) — is judged layer by layer too. Values are CPU tensors.
         """
         out: dict[str, torch.Tensor] = {}
-        self._forward(None, self.new_cache(), decode=False, boundaries=[], feed=feed, collect=out)
+        cache = self.new_cache()
+        self._forward(None, cache, decode=False, boundaries=[], feed=feed, collect=out)
+        steps = feed("decode.embed") if decode else None
+        per_step: dict[str, list[torch.Tensor]] = {}
+        for i in range(0 if steps is None else len(steps)):
+            row = lambda n, i=i: _row(feed("decode." + n), i)  # noqa: E731
+            step: dict[str, torch.Tensor] = {}
+            self._forward(None, cache, decode=True, boundaries=[], feed=row, collect=step)
+            if after_step is not None:
+                after_step(i, cache)
+            for k, v in step.items():
+                prefix, _, tap = k.rpartition("layers.") if k.startswith(("own.", "noise.")) else ("", "", k)
+                name = f"{prefix}decode.layers.{tap}" if prefix else f"decode.{k}"
+                per_step.setdefault(name, []).append(v)
+        out.update({k: torch.cat(v) for k, v in per_step.items()})
         return {k: v.detach().cpu() for k, v in out.items()}
 
     # ---- checks ----

@@ -119,10 +119,10 @@ def dump_required(num_layers: int) -> list[str]:
 
 def forward_key(name: str) -> tuple:
     """Sort key: embed, then layers in order (taps in forward order), then final taps; decode
-    taps (``decode.…``) after prompt taps."""
+    taps and states (``decode.…``, ``decode_states.…``) after prompt taps."""
     l, kind = layer_of(name), tap_kind(name)
     order = next((i for i, s in enumerate(TAPS) if s.kind == kind), len(TAPS))
-    decode = name.startswith("decode.")
+    decode = name.startswith(("decode.", "decode_states."))
     if l is None:
         return (decode, 0 if kind == "embed" else 10**9, order, name)
     return (decode, l + 1, order, name)

@@ -69,6 +69,15 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
     return {k: to_numpy(v) for k, v in run.arrays.items()}
 
 
+def manifest_digest(path: Path) -> str | None:
+    """sha256 of a bundle's manifest.json (None for a checkpoint): which bundle's weights the
+    goldens were made from, so validate knows when its exact check applies."""
+    import hashlib
+
+    m = Path(path) / "manifest.json"
+    return hashlib.sha256(m.read_bytes()).hexdigest() if m.is_file() else None
+
+
 def _bf16_twin(source: Path, device: str):
     """The same weights under the bfloat16 policy (validate's built-in device), for the noise run."""
     if (source / "manifest.json").is_file():
@@ -157,7 +166,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,
             "device": str(weights.device), "device_name": _device_name(weights.device),
             "torch_version": torch.__version__, "tolerance": tol_file.name, "content_hash": digest,
-            "cases": summary, "source": str(source.resolve()), "chunk": CHUNK}
+            "cases": summary, "source": str(source.resolve()), "chunk": CHUNK,
+            "weights_manifest_sha256": manifest_digest(source)}
     for name in sorted(inter):  # a NaN golden would make every device "fail": refuse to write it
         a = inter[name]
         if a.dtype.kind == "f" and not np.isfinite(a).all():

@@ -11,7 +11,9 @@ free-running metric of that run against the float32 goldens is stored beside the
 
 - ``bf16_noise.nmse.{tap}``, ``bf16_noise.cosine.{tap}``: every tap judged as a tensor;
 - ``bf16_noise.kld_mean|kld_p99|top1.{logits|step_logits}``;
-- ``bf16_noise.drift_nmse.{decode_states name}``: the worst per-step state drift.
+- ``bf16_noise.drift_nmse.{decode_states name}``: the worst per-step state drift;
+- ``bf16_noise.logit_shift.step_logits``: per decode step, the largest change of any logit
+  (so a greedy divergence at a gap the reference's own rounding could close is a near tie).
 
 validate widens a free-running limit to ``noise.factor`` × this value (for a lower bound, the
 deficit 1 − value) where that is looser than the tolerance file's limit, never tighter; the
@@ -39,9 +41,10 @@ def noise_key(metric: str, tap: str) -> str:
 
 
 def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[int]) -> dict[str, np.ndarray]:
-    """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key)."""
+    """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key, and
+    the per-step logit shift)."""
     run = replay_case(bf16_weights, golden, ids).arrays
-    out: dict[str, float] = {}
+    out: dict[str, object] = {}
     for name, x in run.items():
         if name not in golden:
             continue
@@ -57,6 +60,9 @@ def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[i
             out[noise_key("kld_mean", name)] = float(k.mean())
             out[noise_key("kld_p99", name)] = M.quantile(k, 0.99)
             out[noise_key("top1", name)] = M.topk_agreement(ref, x, 1)
+            if name == "step_logits":  # [steps]: one value per step, not a scalar
+                shift = (x.to(torch.float64) - ref.to(torch.float64)).abs().amax(dim=-1)
+                out[noise_key("logit_shift", name)] = shift.cpu().numpy()
         elif how == "tensor" and ref.numel():
             out[noise_key("nmse", name)] = M.nmse(ref, x)
             out[noise_key("cosine", name)] = M.cosine(ref, x)
@@ -78,3 +84,14 @@ def widen(limits: dict[str, float], golden: Mapping, tap: str, factor: float) ->
         else:
             out[metric] = max(limit, factor * v)
     return out
+
+
+def near_tie_margin(tol_margin: float, golden: Mapping, step: int, factor: float) -> float:
+    """The top-1/top-2 gap below which a greedy divergence at ``step`` is a tie: the tolerance
+    file's margin, or ``factor`` × twice the reference's own largest logit shift there (a gap
+    between two tokens moves by at most twice the largest single-logit change), if larger."""
+    v = golden.get(noise_key("logit_shift", "step_logits"))
+    if factor <= 0 or v is None:
+        return tol_margin
+    v = np.asarray(v, dtype=np.float64).reshape(-1)
+    return max(tol_margin, factor * 2.0 * float(v[step])) if step < v.size else tol_margin

@@ -35,10 +35,11 @@ METRICS = {
     "nmse": "max", "cosine": "min", "max_abs": "max",  # distance (any tap)
     "kld_mean": "max", "kld_p99": "max", "top1": "min", "top5": "min",  # distribution (logits)
     "expert_set": "min",  # indices (router)
+    "drift_nmse": "max",  # a decode state's NMSE per step (state section)
 }
 TENSOR_METRICS = ("nmse", "cosine", "max_abs")
 SECTIONS = {
-    "added": None, "inherited": None, "emulation": None,
+    "added": None, "inherited": None, "emulation": None, "exact": None,
     "logits": {"kld_mean", "kld_p99", "top1"},
     "router": {"expert_set", "near_tie_eps", "noise_sigmas"},
     "greedy": {"near_tie_margin"},
@@ -53,12 +54,17 @@ class Tolerances:
     added: dict[str, dict[str, float]]
     inherited: dict[str, dict[str, float]]
     emulation: dict[str, dict[str, float]]
+    exact: dict[str, dict[str, float]]
     logits: dict[str, float]
     router: dict[str, float]
     greedy: dict[str, float]
     state: dict[str, float]
     noise: dict[str, float] = field(default_factory=dict)
     path: str = ""
+    # the calibration the limits were set from (bench/calibrate.py): which run, and the worst
+    # value every check ("mode/tap kind/metric") reached on clean bundles there
+    calibration_run: str = ""
+    calibrated_clean_worst: dict[str, float] = field(default_factory=dict)
 
     def limits(self, section: str, tap: str) -> dict[str, float]:
         """Limits for a tap: its kind's entry over the section's ``default``."""
@@ -97,7 +103,7 @@ def load_tolerances(path: str | Path) -> Tolerances:
         raise ToleranceError(f"{path}: cannot read: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or data.get("schema_version") != 1:
         raise ToleranceError(f"{path}: must be a mapping with schema_version: 1")
-    unknown = sorted(set(data) - set(SECTIONS) - {"schema_version", "format", "description"})
+    unknown = sorted(set(data) - set(SECTIONS) - {"schema_version", "format", "description", "calibration"})
     if unknown:
         raise ToleranceError(f"{path}: unknown section {unknown[0]!r} (known: {', '.join(SECTIONS)})")
     out = {}
@@ -122,4 +128,21 @@ def load_tolerances(path: str | Path) -> Tolerances:
             if bad:
                 raise ToleranceError(f"{path}: {section}.{bad[0]} is not one of {', '.join(sorted(keys))}")
             out[section] = {k: _num(v, f"{section}.{k}", str(path)) for k, v in body.items()}
-    return Tolerances(name=str(data.get("format", path.stem)), path=str(path), **out)
+    run, worst = _calibration(data.get("calibration"), str(path))
+    return Tolerances(name=str(data.get("format", path.stem)), path=str(path), calibration_run=run,
+                      calibrated_clean_worst=worst, **out)
+
+
+def _calibration(body, path: str) -> tuple[str, dict[str, float]]:
+    """``calibration: {run: TEXT, clean_worst: {"mode/kind/metric": value}}`` (evidence, not limits)."""
+    if body is None:
+        return "", {}
+    if not isinstance(body, dict) or set(body) - {"run", "clean_worst"} or not isinstance(body.get("run", ""), str):
+        raise ToleranceError(f"{path}: calibration must be a mapping of run (text) and clean_worst (mapping)")
+    worst = body.get("clean_worst") or {}
+    if not isinstance(worst, dict):
+        raise ToleranceError(f"{path}: calibration.clean_worst must map mode/kind/metric to a value")
+    for key in worst:
+        if not isinstance(key, str) or key.count("/") != 2 or key.rsplit("/", 1)[1] not in METRICS:
+            raise ToleranceError(f"{path}: calibration.clean_worst.{key} is not mode/tap kind/metric")
+    return body.get("run", ""), {k: _num(v, f"calibration.clean_worst.{k}", path) for k, v in worst.items()}

@@ -10,6 +10,7 @@ judges every metric: ``golden.tolerances.METRICS`` says whether its limit is a m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,9 +104,15 @@ class GreedyResult:
     first_divergence: int | None  # step index, None if all equal
     near_tie: bool  # the golden top-1 / top-2 gap at that step was below the margin
     passed: bool
+    gap: float | None = None  # that gap
+    margin: float | None = None  # the margin it was judged against
 
 
-def compare_greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances) -> GreedyResult:
+def compare_greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances,
+                   margin_at: Callable[[int], float] | None = None) -> GreedyResult:
+    """Greedy agreement; a divergence passes at a near tie. ``margin_at(step)``: the near-tie
+    margin at a step (default: the tolerance file's; validate widens it with the reference's
+    own BF16 logit noise, ``golden.noise.near_tie_margin``)."""
     ref_tokens, tokens = list(map(int, ref_tokens)), list(map(int, tokens))
     n = min(len(ref_tokens), len(tokens))
     first = next((i for i in range(n) if ref_tokens[i] != tokens[i]), None)
@@ -113,11 +120,13 @@ def compare_greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Toler
         first = n
     if first is None:
         return GreedyResult(len(ref_tokens), len(ref_tokens), None, False, True)
-    near = False
-    if first < ref_step_logits.shape[0]:
-        top2 = ref_step_logits[first].to(torch.float64).topk(2).values
-        near = float(top2[0] - top2[1]) < tol.greedy.get("near_tie_margin", 0.0)
-    return GreedyResult(first, len(ref_tokens), first, near, near)
+    if first >= ref_step_logits.shape[0]:
+        return GreedyResult(first, len(ref_tokens), first, False, False)
+    top2 = ref_step_logits[first].to(torch.float64).topk(2).values
+    gap = float(top2[0] - top2[1])
+    margin = margin_at(first) if margin_at is not None else tol.greedy.get("near_tie_margin", 0.0)
+    near = gap < margin
+    return GreedyResult(first, len(ref_tokens), first, near, near, gap, margin)
 
 
 def first_failure(results: list[TapResult]) -> TapResult | None:

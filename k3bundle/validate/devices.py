@@ -28,6 +28,8 @@ from k3bundle.golden.store import as_tensor
 from k3bundle.validate.dumps import read_dump
 
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
+EXACT_POLICY = "float32"  # ... and, for the exact check, runs in the goldens' precision
+EXACT = "exact."  # teacher-forced outputs of that run, judged to the float32 floor
 
 
 @dataclass
@@ -47,13 +49,26 @@ def full_positions(golden: dict, ids: np.ndarray) -> bool:
     return int(golden["positions"].size) == int(ids.size)
 
 
-def device_arrays(weights, golden: dict, ids: np.ndarray) -> tuple[dict, dict | None]:
+def device_arrays(weights, golden: dict, ids: np.ndarray, after_step=None,
+                  exact_weights=None) -> tuple[dict, dict | None]:
     """The built-in device on one case: the golden run replayed (golden routes, decode fed the
-    golden tokens) and, with every position tapped, every layer fed the golden inputs."""
-    run = replay_case(weights, golden, ids.tolist())
+    golden tokens) and, with every position tapped, every layer fed the golden inputs, at the
+    prompt and at each decode step. ``after_step``: the device's cache handling between decode
+    steps (``executor.case.run_case``), in every run.
+
+    ``exact_weights`` (the same weights in the goldens' precision): the teacher-forced run once
+    more with them, its outputs named ``exact.…``. On the weights the goldens were made from,
+    that run reproduces them to the float32 floor, so any difference in the weights or the
+    cache — a byte, a scale, a shard, a row — is seen far below the BF16 noise (the *exact* check).
+    """
+    run = replay_case(weights, golden, ids.tolist(), after_step)
     layers = None
     if full_positions(golden, ids):
-        layers = Executor(weights).teacher_forced(lambda n: as_tensor(golden.get(n)))
+        feed = lambda n: as_tensor(golden.get(n))  # noqa: E731
+        layers = Executor(weights).teacher_forced(feed, decode=True, after_step=after_step)
+        if exact_weights is not None:
+            exact = Executor(exact_weights).teacher_forced(feed, decode=True, after_step=after_step)
+            layers.update({EXACT + k: v for k, v in exact.items() if not k.startswith(("own.", "noise."))})
     return run.arrays, layers
 
 
@@ -66,6 +81,7 @@ def builtin_output(cand: dict, layers: dict | None, golden: dict) -> CaseOutput:
 
 class Device(ABC):
     mode = "device"  # "device" (the built-in executor) or "dumps" (an external runtime)
+    exact_status = "not run: only the built-in device in one process runs it"
 
     def __init__(self, name: str):
         self.name = name  # for the report: cpu, cuda, 2 ranks on cuda, ...
@@ -78,12 +94,44 @@ class Device(ABC):
 
 
 class InProcess(Device):
-    def __init__(self, weights_for: Callable[[str], object], name: str):
+    def __init__(self, weights_for: Callable[[str], object], name: str, after_step=None,
+                 source: Path | None = None):
         super().__init__(name)
+        self.weights_for = weights_for
         self.weights = weights_for(DEVICE_POLICY)
+        self.exact_weights = None
+        self.source = source  # the bundle or checkpoint the weights come from
+        self.after_step = after_step  # a serving engine's cache handling between decode steps
+
+    def prepare(self, validation, cases):
+        """The exact check runs where it is calibrated: on the weights the goldens were made
+        from, float32 on the CPU against CPU goldens (measured clean value 0)."""
+        self.exact_status = exact_applies(self.source, validation, self.weights.device)
+        if self.exact_status == "ran":
+            self.exact_weights = self.weights_for(EXACT_POLICY)
 
     def case(self, name, golden, ids):
-        return builtin_output(*device_arrays(self.weights, golden, ids), golden)
+        return builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden)
+
+
+def exact_applies(source: Path | None, validation: Path, device) -> str:
+    """"ran", or why the exact check does not apply to this device and these goldens."""
+    from k3bundle.golden.generate import manifest_digest
+    from k3bundle.golden.store import read_meta, read_npz
+
+    if source is None:
+        return "not run: the device has no weights path"
+    meta = read_meta(read_npz(Path(validation) / "golden_inputs.npz"))
+    made_from = meta.get("weights_manifest_sha256")
+    if manifest_digest(source) is not None:
+        if made_from != manifest_digest(source):
+            return "not run: the goldens were made from other weights (manifest differs)"
+    elif meta.get("source") != str(Path(source).resolve()):
+        return "not run: the goldens were made from another checkpoint"
+    golden_type, own = str(meta.get("device", "cpu")).split(":")[0], torch.device(device).type
+    if (golden_type, own) != ("cpu", "cpu"):
+        return f"not run: goldens made on {golden_type}, device {own}; its limit is calibrated for CPU against CPU goldens"
+    return "ran"
 
 
 class Dumps(Device):

@@ -17,6 +17,7 @@ from k3bundle.errors import K3Error
 from k3bundle.golden.tolerances import METRICS
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
+from k3bundle.validate.margin import NEAR, margins
 
 MODES = ("added", "emulation", "inherited")
 STYLE = {"added": ("", "circle"), "emulation": ("2 3", "triangle"), "inherited": ("6 4", "square")}
@@ -45,8 +46,13 @@ def greedy_text(g) -> str:
         return "–"
     if g.first_divergence is None:
         return f"{g.matched}/{g.total} equal"
-    return (f"{g.matched}/{g.total} equal, diverges at step {g.first_divergence} "
-            + ("(near tie)" if g.near_tie else "(NOT a near tie)"))
+    return f"{g.matched}/{g.total} equal, diverges at step {g.first_divergence} {tie_text(g)}"
+
+
+def tie_text(g) -> str:
+    """Why a divergence is or is not a near tie: the golden top-1/top-2 gap against the margin."""
+    why = "" if g.gap is None else f": gap {g.gap:.3g} {'<' if g.near_tie else '≥'} margin {g.margin:.3g}"
+    return f"(near tie{why})" if g.near_tie else f"(NOT a near tie{why})"
 
 
 def _anchor(name: str) -> str:
@@ -216,6 +222,24 @@ def _summary(rep) -> str:
                   "state drift max / limit"], rows, cls="sortable summary", num=(3,), row_cls=cls)
 
 
+def _margin_table(rows, total: int) -> str:
+    body, cls = [], []
+    for m in rows:
+        over = m.use > 1 or m.use != m.use
+        bc = m.beyond_clean
+        body.append([badge("fail" if over else "pass"), esc(m.mode), f"<code>{esc(m.tap)}</code>", esc(m.metric),
+                     sci(m.value), sci(m.limit), f"{m.use:.0%}", "–" if m.clean_worst is None else sci(m.clean_worst),
+                     "–" if bc is None else f"{bc:.3g}×"])
+        cls.append("bad" if over else "")
+    more = f" ({total - len(rows)} more in signoff.json)" if total > len(rows) else ""
+    return (f"<h3>Nearest the limit</h3><p class='muted'>Checks at {NEAR:.0%} of their limit or beyond{more}. "
+            "<b>× clean worst</b>: the value relative to the worst the same check reached on clean bundles "
+            "in the calibration run that set the limits; above 1× it is worse than any clean bundle seen, "
+            "near or below 1× an unlucky clean case.</p>"
+            + table(["", "mode", "tap", "metric", "value", "limit", "use of limit", "calibrated clean worst",
+                     "× clean worst"], body, cls="checks near", num=(4, 5, 6, 7, 8), row_cls=cls))
+
+
 def _case(rep, c, n: int, types, tokens: int | None) -> str:
     head = (f"<h2 id='{_anchor(c.name)}'>{esc(c.name)} <span class='muted' style='font-weight:400;font-size:15px'>"
             f"{esc(c.kind)}</span> {badge(c.status)}</h2>")
@@ -238,6 +262,9 @@ def _case(rep, c, n: int, types, tokens: int | None) -> str:
         facts.append(("state drift", f"max {sci(drift_max(c))} over {len(c.drift)} states (limit {sci(c.drift_worst[1])} at the worst state)"))
     parts.append(meta(facts))
     parts += [error_chart(c, n, types), kld_chart(c, tokens, rep.tolerances.logits), router_chart(c, n, types)]
+    near = margins(c, rep.tolerances)
+    if near:
+        parts.append(_margin_table(near[:30], len(near)))
     if bad:
         rows, cls = _check_rows(bad[:200])
         parts.append("<h3>Failing checks</h3>" + table(
@@ -270,6 +297,8 @@ def to_html(rep) -> str:
                                  f"{esc(rep.tolerances.path)}</span>"),
                   ("goldens", f"content hash <code>{esc(str(gm.get('content_hash', '?'))[:16])}…</code>, dtype "
                               f"{esc(gm.get('dtype'))}, k3bundle {esc(gm.get('k3bundle_version'))}"),
+                  ("limits calibrated", esc(rep.tolerances.calibration_run or "no calibration recorded")),
+                  ("exact check", esc(rep.exact or "not run")),
                   ("report", f"k3bundle {esc(__version__)}, {rep.seconds:.1f} s")]),
             "<h2>Cases</h2>", _summary(rep)]
     body += [_case(rep, c, n, types, tokens.get(c.name)) for c in rep.cases]

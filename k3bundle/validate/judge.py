@@ -14,7 +14,7 @@ from k3bundle.golden.noise import widen
 from k3bundle.golden.tolerances import Tolerances
 from k3bundle import metrics as M
 from k3bundle.validate.compare import TapResult, compare_logits, compare_router, compare_tensor
-from k3bundle.validate.devices import as_tensor
+from k3bundle.validate.devices import EXACT, as_tensor
 
 OWN = "own."  # teacher-forced outputs: the layer's own (unforced) expert choice
 NOISE = "noise."  # ... and how far its selection margin can move from its input's rounding
@@ -63,6 +63,11 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
     results = []
     for name, value in outputs.items():
         if name.startswith(NOISE):
+            continue
+        if name.startswith(EXACT):  # the goldens' precision on the goldens' weights: to the float32 floor
+            expected = ref(name[len(EXACT):])
+            if expected is not None:
+                results.append(compare_tensor(case, name[len(EXACT):], as_tensor(expected), value, tol, "exact"))
             continue
         tap = name[len(OWN):] if name.startswith(OWN) else name
         expected = ref(tap)

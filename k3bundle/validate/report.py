@@ -13,7 +13,8 @@ from pathlib import Path
 from k3bundle import __version__
 from k3bundle.io.files import write_atomic
 from k3bundle.validate.errors import ValidateError
-from k3bundle.validate.html import to_html
+from k3bundle.validate.html import tie_text, to_html
+from k3bundle.validate.margin import NEAR, margins
 
 SCHEMA_VERSION = 1
 
@@ -47,11 +48,12 @@ def to_json(rep) -> dict:
                 "state_drift_limits": c.drift_limits,
                 "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
+                "margins": [{k: _clean(v) for k, v in m.as_dict().items()} for m in margins(c, rep.tolerances)],
             })
         cases.append(d)
     return {"schema_version": SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
             "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
-            "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed,
+            "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases}
 
 
@@ -62,7 +64,9 @@ def to_markdown(rep) -> str:
              f"- tolerances: `{rep.tolerances.name}` ({rep.tolerances.path})",
              f"- goldens: content hash `{rep.golden_meta.get('content_hash', '?')[:16]}…`, "
              f"dtype {rep.golden_meta.get('dtype')}, k3bundle {rep.golden_meta.get('k3bundle_version')}",
-             f"- k3bundle {__version__}, {rep.seconds:.1f} s", "",
+             f"- k3bundle {__version__}, {rep.seconds:.1f} s",
+             f"- limits calibrated: {rep.tolerances.calibration_run or 'no calibration recorded'}",
+             f"- exact check (float32 on the goldens' own weights): {rep.exact or 'not run'}", "",
              "| case | kind | status | checks failed | first failing layer / tap | greedy | state drift max |",
              "|---|---|---|---|---|---|---|"]
     for c in rep.cases:
@@ -74,21 +78,39 @@ def to_markdown(rep) -> str:
         g = c.greedy
         greedy = "–" if g is None else (f"{g.matched}/{g.total} equal" + ("" if g.first_divergence is None
                                         else f", first divergence at step {g.first_divergence}"
-                                        + (" (near tie)" if g.near_tie else " (NOT a near tie)")))
+                                        + " " + tie_text(g)))
         drift, drift_limit = c.drift_worst
         failed = sum(not r.passed for r in c.results)
         lines.append(f"| {c.name} | {c.kind} | {c.status.upper()} | {failed}/{len(c.results)} | {where} | "
                      f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) |")
     for c in rep.cases:
         bad = [r for r in c.results if not r.passed]
-        if bad or c.layer_checks:
+        near = margins(c, rep.tolerances) if c.status != "not run" else []
+        if bad or c.layer_checks or near:
             lines += ["", f"## {c.name}", ""]
             if c.layer_checks:
                 lines.append(f"- teacher-forced layer checks skipped: {c.layer_checks}")
             lines += [f"    {r.line()}" for r in bad[:40]]
             if len(bad) > 40:
                 lines.append(f"    … and {len(bad) - 40} more failing checks (signoff.json has all)")
+            if near:
+                lines += margin_table(near[:20])
+                if len(near) > 20:
+                    lines.append(f"… and {len(near) - 20} more (signoff.json has all)")
     return "\n".join(lines) + "\n"
+
+
+def margin_table(rows) -> list[str]:
+    """Checks at or over NEAR of their limit: how far from the limit and from the calibrated clean worst."""
+    out = ["", f"Checks at {NEAR:.0%} of their limit or beyond (use of the limit; the worst clean value in "
+           "the calibration run; this value relative to it, > 1× is worse than any clean bundle seen):", "",
+           "| check | tap | value | limit | use of limit | calibrated clean worst | × clean worst |",
+           "|---|---|---|---|---|---|---|"]
+    for m in rows:
+        cw = "–" if m.clean_worst is None else f"{m.clean_worst:.3g}"
+        bc = "–" if m.beyond_clean is None else f"{m.beyond_clean:.3g}×"
+        out.append(f"| {m.mode} {m.metric} | `{m.tap}` | {m.value:.4g} | {m.limit:.3g} | {m.use:.0%} | {cw} | {bc} |")
+    return out
 
 
 REPORT_NAMES = ("signoff.json", "signoff.md", "signoff.html")

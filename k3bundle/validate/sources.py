@@ -45,4 +45,4 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         return Distributed(path, device=device, nproc=nproc, results=rank_results)
     if rank_results is not None:
         raise ValidateError("--rank-results needs --ranks distributed")
-    return InProcess(factory, device)
+    return InProcess(factory, device, source=path)
