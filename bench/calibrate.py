@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from k3bundle.errors import K3Error  # noqa: E402
 from k3bundle.golden.tolerances import METRICS  # noqa: E402
-from k3bundle.validate.margin import check_key  # noqa: E402
+from k3bundle.validate.margin import check_key, show  # noqa: E402
 
 CASES = REPO / "golden" / "cases"
 TOLERANCE_FOR = {"b300-tp8": "bf16", "gb300-dep16": "bf16", "h200-tp16-ep16": "bf16", "mi355x-tp8": "fp8",
@@ -554,11 +554,6 @@ def limit_rows(table: dict, tol) -> list[dict]:
                      "fault_by": t["fault_by"], "between": clean_ok and fault_ok, "floor": floor,
                      "safety": _ratio(metric, limit, cw), "headroom": None if fb is None else _ratio(metric, fb, limit)})
     return rows
-
-
-def show(metric: str, v: float) -> str:
-    """A value as people read it: a lower bound near 1 by its deficit (1 − 7.1e-05)."""
-    return f"1 − {1 - v:.2g}" if METRICS.get(metric) == "min" and 0.99 < v < 1 else f"{v:.3g}"
 
 
 def _ratio(metric: str, a: float, b: float) -> float:

@@ -141,7 +141,7 @@ def test_failing_signoff_page_in_chromium(pages, tmp_path):
     assert "would pass at" in section  # the failing added check and the limit that would have passed:
     assert re.search(rf"<td>added</td><td class=\"num\">{FAULT_LAYER}</td><td><code>layers\.{FAULT_LAYER}\.mixer_out"
                      r"</code></td><td>nmse</td><td class=\"num\">0\.024</td><td class=\"num\">≤ 4\.00e-04</td>"
-                     r"<td>6000% of limit</td><td>≤ 0\.024</td>", section)
+                     r"<td>60× the limit</td><td>≤ 0\.024</td>", section)
     long = dom.split('id="case-long-context"', 1)[1].split("<h2", 1)[0]
     assert "42 of 4,000 positions are sampled" in long and long.count('class="rug"') == 42
     png = browser.screenshot(out / "signoff.html", tmp_path / "fail.png", tmp_path)

@@ -17,7 +17,7 @@ from k3bundle.errors import K3Error
 from k3bundle.golden.tolerances import METRICS
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
-from k3bundle.validate.margin import NEAR, margins
+from k3bundle.validate.margin import NEAR, margins, show, show_use
 
 MODES = ("added", "emulation", "inherited")
 STYLE = {"added": ("", "circle"), "emulation": ("2 3", "triangle"), "inherited": ("6 4", "square")}
@@ -65,7 +65,7 @@ def _margin(r, metric: str) -> tuple[str, str]:
     if not isinstance(v, (int, float)) or not math.isfinite(v):
         return "–", "none (not finite)"
     if METRICS[metric] == "max":
-        use = f"{v / lim:.0%} of limit" if lim else "–"
+        use = ("–" if not lim else f"{v / lim:.0%} of limit" if v / lim < 10 else f"{v / lim:.3g}× the limit")
         need = "" if r.passed or metric not in r.min_required else f"≤ {sci(v)}"
     else:
         use = f"{v - lim:+.4g}"
@@ -228,7 +228,8 @@ def _margin_table(rows, total: int) -> str:
         over = m.use > 1 or m.use != m.use
         bc = m.beyond_clean
         body.append([badge("fail" if over else "pass"), esc(m.mode), f"<code>{esc(m.tap)}</code>", esc(m.metric),
-                     sci(m.value), sci(m.limit), f"{m.use:.0%}", "–" if m.clean_worst is None else sci(m.clean_worst),
+                     esc(show(m.metric, m.value)), esc(show(m.metric, m.limit)), esc(show_use(m.use)),
+                     "–" if m.clean_worst is None else esc(show(m.metric, m.clean_worst)),
                      "–" if bc is None else f"{bc:.3g}×"])
         cls.append("bad" if over else "")
     more = f" ({total - len(rows)} more in signoff.json)" if total > len(rows) else ""

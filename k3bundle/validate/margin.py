@@ -34,6 +34,18 @@ def ratio(metric: str, v: float, to: float) -> float:
     return a / b if b > 0 else (0.0 if a <= 0 else float("inf"))
 
 
+def show(metric: str, v: float) -> str:
+    """A value as people read it: a lower bound near 1 by its deficit (``1 − 7.1e-05``)."""
+    if METRICS.get(metric) == "min" and 0.99 < v < 1:
+        return f"1 − {1 - v:.2g}"
+    return f"{v:.4g}"
+
+
+def show_use(use: float) -> str:
+    """Use of a limit: a percentage up to 10×, then a multiple (``4.8e+06×``)."""
+    return f"{use:.0%}" if use < 10 else f"{use:.3g}×"
+
+
 @dataclass(frozen=True)
 class Margin:
     mode: str

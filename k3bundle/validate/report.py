@@ -14,7 +14,7 @@ from k3bundle import __version__
 from k3bundle.io.files import write_atomic
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.html import tie_text, to_html
-from k3bundle.validate.margin import NEAR, margins
+from k3bundle.validate.margin import NEAR, margins, show, show_use
 
 SCHEMA_VERSION = 1
 
@@ -107,9 +107,10 @@ def margin_table(rows) -> list[str]:
            "| check | tap | value | limit | use of limit | calibrated clean worst | × clean worst |",
            "|---|---|---|---|---|---|---|"]
     for m in rows:
-        cw = "–" if m.clean_worst is None else f"{m.clean_worst:.3g}"
+        cw = "–" if m.clean_worst is None else show(m.metric, m.clean_worst)
         bc = "–" if m.beyond_clean is None else f"{m.beyond_clean:.3g}×"
-        out.append(f"| {m.mode} {m.metric} | `{m.tap}` | {m.value:.4g} | {m.limit:.3g} | {m.use:.0%} | {cw} | {bc} |")
+        out.append(f"| {m.mode} {m.metric} | `{m.tap}` | {show(m.metric, m.value)} | {show(m.metric, m.limit)} | "
+                   f"{show_use(m.use)} | {cw} | {bc} |")
     return out
 
 
