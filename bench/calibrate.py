@@ -30,6 +30,7 @@ measured and ``run`` skips jobs already recorded.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import multiprocessing as mp
@@ -49,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from k3bundle.errors import K3Error  # noqa: E402
 from k3bundle.golden.tolerances import METRICS  # noqa: E402
-from k3bundle.validate.margin import check_key, show  # noqa: E402
+from k3bundle.validate.margin import check_key, ratio, show  # noqa: E402
 
 CASES = REPO / "golden" / "cases"
 TOLERANCE_FOR = {"b300-tp8": "bf16", "gb300-dep16": "bf16", "h200-tp16-ep16": "bf16", "mi355x-tp8": "fp8",
@@ -424,8 +425,9 @@ def cmd_run(args) -> None:
 # ---------------------------------------------------------------- analysis
 def load_records(paths: list[Path], seeds: list[int] | None) -> list[dict]:
     out = []
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
+    for p in paths:  # plain or gzip (the committed records under tolerances/calibration/)
+        raw = Path(p).read_bytes()
+        for line in (gzip.decompress(raw) if str(p).endswith(".gz") else raw).decode().splitlines():
             r = json.loads(line)
             # records before 2026-12-01's serving-path run pooled every state's drift in one key
             r.get("checks", {}).pop("state/drift/drift_nmse", None)
@@ -552,14 +554,8 @@ def limit_rows(table: dict, tol) -> list[dict]:
         floor = key.split("/")[0] in ("inherited", "distribution", "state") and tol.noise.get("factor", 0) > 0
         rows.append({"key": key, "limit": limit, "clean_worst": cw, "clean_by": t["clean_by"], "fault_best": fb,
                      "fault_by": t["fault_by"], "between": clean_ok and fault_ok, "floor": floor,
-                     "safety": _ratio(metric, limit, cw), "headroom": None if fb is None else _ratio(metric, fb, limit)})
+                     "safety": ratio(metric, limit, cw), "headroom": None if fb is None else ratio(metric, fb, limit)})
     return rows
-
-
-def _ratio(metric: str, a: float, b: float) -> float:
-    """How many times further from perfect ``a`` is than ``b`` (both in the metric's direction)."""
-    from k3bundle.validate.margin import ratio
-    return ratio(metric, a, b)
 
 
 def calibration_yaml(table: dict, run: str) -> str:

@@ -158,9 +158,8 @@ class Executor:
             self._forward(None, cache, decode=True, boundaries=[], feed=row, collect=step)
             if after_step is not None:
                 after_step(i, cache)
-            for k, v in step.items():
-                prefix, _, tap = k.rpartition("layers.") if k.startswith(("own.", "noise.")) else ("", "", k)
-                name = f"{prefix}decode.layers.{tap}" if prefix else f"decode.{k}"
+            for k, v in step.items():  # layers.… -> decode.layers.…, own.layers.… -> own.decode.layers.…
+                name = k.replace("layers.", "decode.layers.", 1) if k.startswith(("own.", "noise.")) else "decode." + k
                 per_step.setdefault(name, []).append(v)
         out.update({k: torch.cat(v) for k, v in per_step.items()})
         return {k: v.detach().cpu() for k, v in out.items()}

@@ -30,7 +30,7 @@ from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import noise_arrays
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import tolerance_path
-from k3bundle.io.files import write_atomic
+from k3bundle.io.files import sha256_file, write_atomic
 from k3bundle.tokenizer import load_tiktoken
 
 MAX_CHUNK_SNAPSHOTS = 8  # KDA states kept per case at evenly spaced chunk boundaries
@@ -72,10 +72,8 @@ def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
 def manifest_digest(path: Path) -> str | None:
     """sha256 of a bundle's manifest.json (None for a checkpoint): which bundle's weights the
     goldens were made from, so validate knows when its exact check applies."""
-    import hashlib
-
     m = Path(path) / "manifest.json"
-    return hashlib.sha256(m.read_bytes()).hexdigest() if m.is_file() else None
+    return sha256_file(m)[0] if m.is_file() else None
 
 
 def _bf16_twin(source: Path, device: str):

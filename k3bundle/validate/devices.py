@@ -122,9 +122,9 @@ def exact_applies(source: Path | None, validation: Path, device) -> str:
     if source is None:
         return "not run: the device has no weights path"
     meta = read_meta(read_npz(Path(validation) / "golden_inputs.npz"))
-    made_from = meta.get("weights_manifest_sha256")
-    if manifest_digest(source) is not None:
-        if made_from != manifest_digest(source):
+    digest = manifest_digest(source)
+    if digest is not None:
+        if meta.get("weights_manifest_sha256") != digest:
             return "not run: the goldens were made from other weights (manifest differs)"
     elif meta.get("source") != str(Path(source).resolve()):
         return "not run: the goldens were made from another checkpoint"

@@ -81,8 +81,7 @@ def margins(case, tol: Tolerances, near: float = NEAR) -> list[Margin]:
                 out.append(Margin(r.mode, r.tap, metric, v, limit, worst.get(check_key(r.mode, r.tap, metric))))
     for name, vals in case.drift.items():
         if vals:
-            limit = case.drift_limits.get(name, case.drift_limit)
-            out.append(Margin("state", name, "drift_nmse", max(vals), limit,
+            out.append(Margin("state", name, "drift_nmse", max(vals), case.limit_of(name),
                               worst.get(check_key("state", name, "drift_nmse"))))
     # NaN compares false: a NaN value is always listed
     listed = [m for m in out if not m.use < near]
