@@ -11,9 +11,10 @@
     # records the clean worst in the file's calibration section (the sign-off report shows it)
     python bench/calibrate.py limits /tmp/cal/records.jsonl --seeds 0-9 --tolerance bf16 [--write --run TEXT]
 
-A *job* is (preset, seed, layout, device): synth the checkpoint (``tiny``: the seed draws the
-weights; ``tiny-trained``: one model, the seed draws the prompts: a greedy prompt of corpus
-sentences and the long-context filler), convert it, make float32 goldens on the CPU, then
+A *job* is (preset, seed, layout, device): synth the checkpoint (``tiny``/``small``: the seed
+draws the weights; ``tiny-trained``: one model, the seed draws the prompts: a greedy prompt of
+corpus sentences and the long-context filler), convert it, make float32 goldens on the CPU
+(``--golden-device cuda`` for ``small``, whose goldens take ~20 min on one core), then
 
 - **clean**: validate the bundle on ``--device`` with every shipped case and record, per case,
   the worst value of every (mode, tap kind, metric) check, the greedy result, the state drift
@@ -53,6 +54,7 @@ from k3bundle.golden.tolerances import METRICS  # noqa: E402
 from k3bundle.validate.margin import check_key, ratio, show  # noqa: E402
 
 CASES = REPO / "golden" / "cases"
+EXACT_MODES = ("exact", "exact_gpu")  # the exact check's tolerance sections (validate.devices)
 TOLERANCE_FOR = {"b300-tp8": "bf16", "gb300-dep16": "bf16", "h200-tp16-ep16": "bf16", "mi355x-tp8": "fp8",
                  "b200-tp8-pp2": "bf16"}
 
@@ -325,8 +327,11 @@ def run_job(job: dict) -> list[dict]:
     shutil.rmtree(bundle, ignore_errors=True)
     convert(ckpt, layout, bundle, workers=1)
     generate_goldens(bundle, cases_dir=_cases_for(preset, seed, root / f"w{job['worker']}"),
-                     tolerance=TOLERANCE_FOR.get(layout, "bf16"), long_tokens=job["long_tokens"])
+                     tolerance=TOLERANCE_FOR.get(layout, "bf16"), long_tokens=job["long_tokens"],
+                     device=job.get("golden_device", "cpu"))
     base = {k: job[k] for k in ("preset", "seed", "layout", "device")}
+    if job.get("golden_device", "cpu") != "cpu":
+        base["golden_device"] = job["golden_device"]
     records = []
     if job["clean"]:
         reps, tol, inter = _judge(bundle, job["device"], None)
@@ -406,6 +411,7 @@ def cmd_run(args) -> None:
                     continue
                 jobs.append({"root": str(args.out), "preset": preset, "seed": seed, "layout": layout,
                              "device": args.device, "long_tokens": args.long_tokens, "threads": args.threads,
+                             "golden_device": args.golden_device,
                              "clean": not args.faults_only,
                              "faults": [] if args.no_faults else args.fault or ALL_FAULTS})
     for i, j in enumerate(jobs):
@@ -456,11 +462,11 @@ def separation(records: list[dict]) -> dict[str, dict]:
             continue
         if r["first_failure"]["tap"] != r["planted"]["tap"]:
             continue
-        exact_only = r["first_failure"].get("mode") == "exact"
+        exact_only = r["first_failure"].get("mode") in EXACT_MODES
         for mode, tap, values in r.get("taps", []):
             # a fault only the exact check sees is below the device-precision checks' reach: it
             # says nothing about where their limits separate clean from faulted
-            if tap != r["planted"]["tap"] or (exact_only and mode != "exact"):
+            if tap != r["planted"]["tap"] or (exact_only and mode not in EXACT_MODES):
                 continue
             for metric, v in values.items():
                 t = table.get(check_key(mode, tap, metric))
@@ -532,7 +538,7 @@ GATED = ("nmse", "cosine", "kld_mean", "kld_p99", "top1", "expert_set", "drift_n
 def limit_of(tol, key: str) -> float | None:
     """The tolerance file's (fixed) limit for a check key, None where it has none."""
     mode, kind, metric = key.split("/")
-    if mode in ("added", "inherited", "emulation"):
+    if mode in ("added", "inherited", "emulation", *EXACT_MODES):
         return tol.limits(mode, kind).get(metric)
     section = {"distribution": tol.logits, "router": tol.router, "state": tol.state}.get(mode, {})
     return section.get(metric)
@@ -604,6 +610,8 @@ def main() -> None:
     r.add_argument("--workers", type=int, default=1)
     r.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     r.add_argument("--long-tokens", type=int, default=512)
+    r.add_argument("--golden-device", default="cpu",
+                   help="where the float32 goldens are made (cuda: for presets too slow for one CPU core)")
     r.add_argument("--no-faults", action="store_true")
     r.add_argument("--faults-only", action="store_true")
     r.add_argument("--fault", action="append", choices=ALL_FAULTS, help="only these faults (default: all)")

@@ -70,7 +70,8 @@ CAL = REPO / "tolerances" / "calibration"
 
 def _calibration_records():
     return calibrate.load_records([CAL / "records-2026-12-01-cpu-calibration.jsonl.gz",
-                                   CAL / "records-2026-12-01-cpu-calibration-2.jsonl.gz"], None)
+                                   CAL / "records-2026-12-01-cpu-calibration-2.jsonl.gz",
+                                   CAL / "records-2026-12-03-cuda-exact.jsonl.gz"], None)
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8"])
@@ -94,7 +95,28 @@ def test_shipped_limits_sit_between_clean_and_faulted(name):
     assert len(teacher_forced) >= 10
     for k in teacher_forced:
         assert rows[k]["between"], rows[k]
-    if name == "bf16":  # the stated safety: >= 2.5x the clean worst, <= 1/2 the least severe fault
+    if name == "bf16":  # the stated safety: >= 2x the clean worst on CPU and the H200, <= 1/2 the least severe fault
         for k in teacher_forced:
-            assert rows[k]["safety"] >= 2.5, rows[k]
+            assert rows[k]["safety"] >= 2.0, rows[k]
             assert rows[k]["headroom"] is None or rows[k]["headroom"] >= 2.0, rows[k]
+
+
+def test_the_exact_gpu_limit_sits_far_between_clean_and_faulted():
+    """The exact check where a GPU is on a side: the limit is >= 100x the calibrated clean worst
+    (the H200 against CPU goldens, seeds 0-2) and <= 1/100 of the least severe fault it located on
+    held-out CUDA bundles (the only faulted CUDA runs with the check on), in every tolerance file."""
+    from k3bundle.golden.tolerances import load_tolerances, tolerance_path
+    clean = [r for r in _calibration_records() if r["device"] == "cuda" and r["seed"] in range(5)]
+    assert len({(r["preset"], r["seed"], r["layout"]) for r in clean}) == 12
+    faulted = calibrate.load_records([CAL / "records-2026-12-03-cuda-exact-faults.jsonl.gz"], None)
+    table = calibrate.separation(clean + faulted)
+    keys = [k for k in table if k.startswith("exact_gpu/") and k.endswith("/nmse")]
+    assert len(keys) == 6
+    located = [table[k]["fault_best"] for k in keys if table[k]["fault_best"] is not None]
+    assert located  # the 1e-3 weight change and the NVFP4 scale byte are below BF16: only this check sees them
+    for name in ("bf16", "fp8", "mxfp4"):
+        tol = load_tolerances(tolerance_path(name))
+        for k in keys:
+            limit = calibrate.limit_of(tol, k)
+            assert limit >= 100 * table[k]["clean_worst"], (name, k)
+            assert table[k]["fault_best"] is None or table[k]["fault_best"] >= 100 * limit, (name, k)

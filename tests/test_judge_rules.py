@@ -104,7 +104,7 @@ def test_a_bad_calibration_section_is_refused(tmp_path, body, what):
         load_tolerances(p)
 
 
-def test_the_exact_check_runs_only_on_the_goldens_own_weights_and_device_type(tmp_path):
+def test_the_exact_check_runs_only_on_the_goldens_own_weights_with_its_devices_limits(tmp_path):
     import hashlib
     from k3bundle.golden.store import meta_array, write_npz
     from k3bundle.validate.devices import exact_applies
@@ -116,14 +116,20 @@ def test_the_exact_check_runs_only_on_the_goldens_own_weights_and_device_type(tm
     def goldens(**meta):
         write_npz(val / "golden_inputs.npz", {"__meta__": meta_array(meta)})
     goldens(weights_manifest_sha256=digest, device="cpu")
-    assert exact_applies(bundle, val, "cpu") == "ran"
-    assert "goldens made on cpu, device cuda" in exact_applies(bundle, val, "cuda")
+    assert exact_applies(bundle, val, "cpu") == ("ran", "exact")  # the same arithmetic: clean value 0
+    status, section = exact_applies(bundle, val, "cuda")  # a GPU on one side: its measured floor
+    assert section == "exact_gpu" and "float32 on cuda against goldens made on cpu" in status
     goldens(weights_manifest_sha256=digest, device="cuda:0")
-    assert "goldens made on cuda, device cpu" in exact_applies(bundle, val, "cpu")
+    assert exact_applies(bundle, val, "cpu")[1] == "exact_gpu"
+    assert exact_applies(bundle, val, "cuda")[1] == "exact_gpu"
+    goldens(weights_manifest_sha256=digest, device="mps")
+    assert exact_applies(bundle, val, "cpu") == ("not run: goldens made on mps, device cpu: no calibrated floor "
+                                                 "for that pair", None)
     goldens(weights_manifest_sha256="0" * 64, device="cpu")
-    assert "made from other weights" in exact_applies(bundle, val, "cpu")
+    status, section = exact_applies(bundle, val, "cpu")
+    assert section is None and "made from other weights" in status
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     goldens(weights_manifest_sha256=None, device="cpu", source=str(ckpt.resolve()))
-    assert exact_applies(ckpt, val, "cpu") == "ran"
-    assert "another checkpoint" in exact_applies(tmp_path, val, "cpu")
+    assert exact_applies(ckpt, val, "cpu") == ("ran", "exact")
+    assert "another checkpoint" in exact_applies(tmp_path, val, "cpu")[0]

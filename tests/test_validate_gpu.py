@@ -123,3 +123,28 @@ def test_faults_are_located_on_cuda_as_on_cpu(work, tmp_path, fault, ranks):
     r, data = _validate(b, "--device", "cuda", "--ranks", ranks, env=NCCL_ENV)
     assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
     assert _first(data) == where
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+def test_the_exact_check_runs_on_cuda_and_sees_a_weight_change_below_bf16(work, tmp_path):
+    """CPU goldens of the bundle itself, validated on the GPU: the exact check runs under the
+    ``exact_gpu`` limits (float32, TF32 off), passes the clean bundle, and locates a 1e-3
+    relative change of layer 5's mixer weights — below BF16's resolution, so no added check can."""
+    import random
+
+    from calibrate import _perturb_layer
+    b = _copy(work["tiny-tp2"], tmp_path)
+    shutil.rmtree(b / "validation")
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    shutil.copy(REPO / "golden" / "cases" / "greedy.yaml", cases)
+    generate_goldens(b, cases_dir=cases, device="cpu")
+    r, data = _validate(b, "--device", "cuda")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    assert data["exact_check"].startswith("ran: float32 on cuda against goldens made on cpu"), data["exact_check"]
+    where = _perturb_layer(1e-3)(b, read_npz(b / "validation" / "golden_intermediates.npz"), random.Random(0))
+    r, data = _validate(b, "--device", "cuda")
+    assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-2000:])
+    ff = [c for c in data["cases"] if c["status"] == "fail"][0]["first_failure"]
+    assert (ff["layer"], ff["tap"], ff["mode"]) == (*where, "exact_gpu")

@@ -1,12 +1,15 @@
 """Tolerance files (``tolerances/NAME.yaml``): thresholds per tap kind and numeric format.
 
-A file has five sections (docs/validation.md explains each number's origin):
+A file has these sections (docs/validation.md explains each number's origin):
 - ``added``: the error one layer adds when fed the golden input (teacher-forced), per tap kind;
 - ``emulation``: a dumped layer output against k3bundle's emulation of that layer in the dump's
   own precision, fed the dump's own inputs (arithmetic noise only; spec §12 "bit-exact emulation");
 - ``inherited``: the error a free-running device run carries to each tap;
 - ``logits``: KL divergence mean / p99 and top-1 agreement against the golden distribution;
 - ``router``: expert-set agreement and the near-tie margin that exempts a flip;
+- ``exact`` and ``exact_gpu``: the built-in device once more in the goldens' float32 on the
+  goldens' own weights: CPU against CPU goldens (the same arithmetic: clean value 0), and where a
+  GPU is on either side (summation order and library functions differ: a measured floor);
 - ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift;
 - ``noise``: ``factor``, how far free-running limits (inherited, logits, state) widen with the
   reference's own BF16 noise (``golden.noise``); absent or 0: fixed limits.
@@ -39,7 +42,7 @@ METRICS = {
 }
 TENSOR_METRICS = ("nmse", "cosine", "max_abs")
 SECTIONS = {
-    "added": None, "inherited": None, "emulation": None, "exact": None,
+    "added": None, "inherited": None, "emulation": None, "exact": None, "exact_gpu": None,
     "logits": {"kld_mean", "kld_p99", "top1"},
     "router": {"expert_set", "near_tie_eps", "noise_sigmas"},
     "greedy": {"near_tie_margin"},
@@ -60,6 +63,7 @@ class Tolerances:
     greedy: dict[str, float]
     state: dict[str, float]
     noise: dict[str, float] = field(default_factory=dict)
+    exact_gpu: dict[str, dict[str, float]] = field(default_factory=dict)
     path: str = ""
     # the calibration the limits were set from (bench/calibrate.py): which run, and the worst
     # value every check ("mode/tap kind/metric") reached on clean bundles there

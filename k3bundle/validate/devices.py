@@ -30,6 +30,7 @@ from k3bundle.validate.dumps import read_dump
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
 EXACT_POLICY = "float32"  # ... and, for the exact check, runs in the goldens' precision
 EXACT = "exact."  # teacher-forced outputs of that run, judged to the float32 floor
+EXACT_SAME, EXACT_GPU = "exact", "exact_gpu"  # tolerance sections: CPU against CPU goldens, a GPU on either side
 
 
 @dataclass
@@ -42,6 +43,7 @@ class CaseOutput:
     layer_ref: Callable[[str], object]  # what the layer outputs are compared with
     routes_replayed: bool  # the candidate replayed the golden expert choices
     skipped: str = ""  # why the layer checks did not run
+    exact_section: str = EXACT_SAME  # the tolerance section ``exact.…`` outputs are judged by
 
 
 def full_positions(golden: dict, ids: np.ndarray) -> bool:
@@ -72,11 +74,12 @@ def device_arrays(weights, golden: dict, ids: np.ndarray, after_step=None,
     return run.arrays, layers
 
 
-def builtin_output(cand: dict, layers: dict | None, golden: dict) -> CaseOutput:
+def builtin_output(cand: dict, layers: dict | None, golden: dict, exact_section: str = EXACT_SAME) -> CaseOutput:
     """What the built-in device yields, in one process or from every rank: golden routes
     replayed, layer outputs judged against the goldens ("added")."""
     return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
-                      "" if layers is not None else "sampled positions: teacher-forced layer checks need every position")
+                      "" if layers is not None else "sampled positions: teacher-forced layer checks need every position",
+                      exact_section)
 
 
 class Device(ABC):
@@ -100,38 +103,48 @@ class InProcess(Device):
         self.weights_for = weights_for
         self.weights = weights_for(DEVICE_POLICY)
         self.exact_weights = None
+        self.exact_section = EXACT_SAME
         self.source = source  # the bundle or checkpoint the weights come from
         self.after_step = after_step  # a serving engine's cache handling between decode steps
 
     def prepare(self, validation, cases):
-        """The exact check runs where it is calibrated: on the weights the goldens were made
-        from, float32 on the CPU against CPU goldens (measured clean value 0)."""
-        self.exact_status = exact_applies(self.source, validation, self.weights.device)
-        if self.exact_status == "ran":
+        """The exact check runs on the weights the goldens were made from, in float32: judged by
+        the ``exact`` limits on the CPU against CPU goldens (the same arithmetic: clean value 0),
+        by the ``exact_gpu`` limits where a GPU is on either side (its measured floor)."""
+        self.exact_status, section = exact_applies(self.source, validation, self.weights.device)
+        if section is not None:
+            # float32 means float32: no TF32 shortcut in cuBLAS/cuDNN (the goldens have none either)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            self.exact_section = section
             self.exact_weights = self.weights_for(EXACT_POLICY)
 
     def case(self, name, golden, ids):
-        return builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden)
+        return builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden,
+                              self.exact_section)
 
 
-def exact_applies(source: Path | None, validation: Path, device) -> str:
-    """"ran", or why the exact check does not apply to this device and these goldens."""
+def exact_applies(source: Path | None, validation: Path, device) -> tuple[str, str | None]:
+    """Whether the exact check applies to this device and these goldens: ("ran", section) with
+    the tolerance section that judges it, or (why not, None)."""
     from k3bundle.golden.generate import manifest_digest
     from k3bundle.golden.store import read_meta, read_npz
 
     if source is None:
-        return "not run: the device has no weights path"
+        return "not run: the device has no weights path", None
     meta = read_meta(read_npz(Path(validation) / "golden_inputs.npz"))
     digest = manifest_digest(source)
     if digest is not None:
         if meta.get("weights_manifest_sha256") != digest:
-            return "not run: the goldens were made from other weights (manifest differs)"
+            return "not run: the goldens were made from other weights (manifest differs)", None
     elif meta.get("source") != str(Path(source).resolve()):
-        return "not run: the goldens were made from another checkpoint"
+        return "not run: the goldens were made from another checkpoint", None
     golden_type, own = str(meta.get("device", "cpu")).split(":")[0], torch.device(device).type
-    if (golden_type, own) != ("cpu", "cpu"):
-        return f"not run: goldens made on {golden_type}, device {own}; its limit is calibrated for CPU against CPU goldens"
-    return "ran"
+    if (golden_type, own) == ("cpu", "cpu"):
+        return "ran", EXACT_SAME
+    if {golden_type, own} <= {"cpu", "cuda"}:
+        return f"ran: float32 on {own} against goldens made on {golden_type} ({EXACT_GPU} limits)", EXACT_GPU
+    return f"not run: goldens made on {golden_type}, device {own}: no calibrated floor for that pair", None
 
 
 class Dumps(Device):

@@ -57,9 +57,10 @@ def _margin_of(router_ids: str) -> str:
 
 
 def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object], case: str, tol: Tolerances,
-                 mode: str, margins: Callable[[str], object]) -> list[TapResult]:
+                 mode: str, margins: Callable[[str], object], exact_section: str = "exact") -> list[TapResult]:
     """Teacher-forced layer outputs against ``ref``: "added" (fed the goldens) or "emulation"
-    (fed a dump's own outputs). Own expert choices are judged as sets with the golden margins."""
+    (fed a dump's own outputs). Own expert choices are judged as sets with the golden margins;
+    ``exact.…`` outputs by ``exact_section``'s limits (``exact`` or ``exact_gpu``)."""
     results = []
     for name, value in outputs.items():
         if name.startswith(NOISE):
@@ -67,7 +68,7 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
         if name.startswith(EXACT):  # the goldens' precision on the goldens' weights: to the float32 floor
             expected = ref(name[len(EXACT):])
             if expected is not None:
-                results.append(compare_tensor(case, name[len(EXACT):], as_tensor(expected), value, tol, "exact"))
+                results.append(compare_tensor(case, name[len(EXACT):], as_tensor(expected), value, tol, exact_section))
             continue
         tap = name[len(OWN):] if name.startswith(OWN) else name
         expected = ref(tap)

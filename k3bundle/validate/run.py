@@ -111,7 +111,7 @@ def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
     drifted = _drift_failures(rep)
     greedy_ok = rep.greedy is None or rep.greedy.passed
     ok = all(r.passed for r in rep.results) and not drifted and greedy_ok
-    local = [r for r in rep.results if r.mode in ("added", "exact", "emulation", "router")]
+    local = [r for r in rep.results if r.mode in ("added", "exact", "exact_gpu", "emulation", "router")]
     # a fault in prompt processing shows first in a teacher-forced check; one in the decode
     # path (a serving cache) in the first free-running tap or state it reaches, in layer order
     # (a TapResult is falsy when it failed: test for None, not truth)
@@ -141,7 +141,8 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
     cand = out.cand
     rep.results += inherited_checks(golden, cand, name, tol, routers=not out.routes_replayed)
     if out.layers is not None:
-        rep.results += layer_checks(out.layers, out.layer_ref, name, tol, out.layer_mode, margins=golden.get)
+        rep.results += layer_checks(out.layers, out.layer_ref, name, tol, out.layer_mode, margins=golden.get,
+                                    exact_section=out.exact_section)
     if "greedy_tokens" in cand and golden["greedy_tokens"].size:
         factor = tol.noise.get("factor", 0.0)
         rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
