@@ -1,6 +1,7 @@
 """Digest of every shipped layout's tiny bundle and of the goldens (behaviour pin for refactors).
 
 Usage: python bench/pin_outputs.py OUT_DIR [--goldens]  -> prints JSON {layout: digest, ...}.
+On a machine class whose bytes differ (tests/test_pinned_outputs.py says why), record its set as a new class.
 The digest of a bundle is sha256 over (relative path, sha256 of bytes) of every file in it.
 """
 import json

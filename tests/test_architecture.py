@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("convert", ("k3bundle",) + BASE + ("storage", "layouts", "plan", "bundle")),
     ("check", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
-    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "golden")),
+    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "check", "golden")),
     ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
     ("demo", ("errors", "tokenizer", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "config", "io", "schema", "source", "synth", "pull", "plan", "executor",

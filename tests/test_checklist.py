@@ -233,7 +233,7 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
     shutil.copytree(tiny_bundle, b)
     st = _stages(b)
     assert st["capacity"].done and st["conversion"].done
-    assert "re-hashed" in st["conversion"].evidence
+    assert "re-hashed" in st["conversion"].evidence and "level sample" in st["conversion"].evidence
     assert not st["golden"].done and "validation/ lacks golden_inputs.npz" in st["golden"].missing
     for key in ("per_layer_numerics", "end_to_end", "performance", "fault_paths", "soak", "signoff"):
         assert not st[key].done and st[key].missing, key
@@ -300,13 +300,28 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
     st = _stages(b)
     assert all(s.done for s in st.values()), {k: s.missing for k, s in st.items() if not s.done}
 
-    # a flipped byte in a device file un-ticks the conversion (and so the sign-off)
-    dev = sorted((b / "device_weights").rglob("*.safetensors"))[0]
-    data = bytearray(dev.read_bytes())
+    # a flipped byte in a device file un-ticks the conversion (and so the sign-off): at the default
+    # level (sample) when the file is one it re-hashes, at level full wherever it is
+    from k3bundle.check.verify import _to_hash
+
+    manifest = json.loads((b / "manifest.json").read_text())
+    sampled = _to_hash(manifest, "sample", 0, ())
+    weights = sorted(f["path"] for f in manifest["files"] if f["path"].endswith(".safetensors"))
+    inside, outside = (next(p for p in weights if (p in sampled) == want) for want in (True, False))
+    for path in (inside, outside):
+        data = bytearray((b / path).read_bytes())
+        data[-1] ^= 1
+        (b / path).write_bytes(bytes(data))
+        st = _stages(b) if path == inside else {s.key: s for s in make_checklist(
+            "b300-tp8", bundle=b, verify_level="full").stages}
+        assert not st["conversion"].done and "problem" in st["conversion"].missing and not st["signoff"].done
+        assert path in st["conversion"].missing
+        data[-1] ^= 1
+        (b / path).write_bytes(bytes(data))
+    data = bytearray((b / outside).read_bytes())
     data[-1] ^= 1
-    dev.write_bytes(bytes(data))
-    st = _stages(b)
-    assert not st["conversion"].done and "problem" in st["conversion"].missing and not st["signoff"].done
+    (b / outside).write_bytes(bytes(data))
+    assert _stages(b)["conversion"].done  # not in the sample and the same size: by design not seen there
 
 
 def test_a_bundle_for_another_target_is_refused(tiny_bundle):

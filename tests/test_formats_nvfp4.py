@@ -200,3 +200,21 @@ def test_validation_errors_name_shapes():
         nvfp4.dequantize(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8), 1.0)
     with pytest.raises(CodecError, match=r"\(2, 16\).*\(2, 2\)"):
         nvfp4.from_mxfp4(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_from_mxfp4_stack_equals_from_mxfp4_on_each_tensor():
+    """The batched transcode (convert's path for many small experts) gives each tensor's own
+    from_mxfp4 bytes: per-tensor global scales, a NaN block, an all-zero tensor and a tensor
+    with blocks to re-quantize among lossless ones."""
+    stack = [random_mxfp4(8, 32, lo, hi, seed=i) for i, (lo, hi) in
+             enumerate([(-20, -3), (-127, -110), (100, 117), (-40, 20), (0, 0)])]
+    packed = torch.stack([p for p, _ in stack])
+    scales = torch.stack([s for _, s in stack])
+    scales[1, 2, 5] = 255  # a NaN block
+    packed[4] = 0  # no live block: global exponent as from_mxfp4's default
+    p16, s16, g, bad = nvfp4.from_mxfp4_stack(packed, scales)
+    assert bad[3].any() and not bad[0].any()  # the wide-spread tensor has re-quantized blocks
+    for t in range(len(stack)):
+        want = nvfp4.from_mxfp4(packed[t], scales[t])
+        assert torch.equal(p16[t], want[0]) and torch.equal(s16[t], want[1])
+        assert torch.equal(bits(g[t]), bits(want[2])) and torch.equal(bad[t], want[3])

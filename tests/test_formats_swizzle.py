@@ -59,3 +59,21 @@ def test_validation_errors_name_shapes():
         scale_swizzle.swizzle(torch.zeros(2, 3, 4, dtype=torch.uint8))
     with pytest.raises(CodecError, match=r"\(100,\).*\[130, 5\]"):
         scale_swizzle.unswizzle(torch.zeros(100, dtype=torch.uint8), 130, 5)
+
+
+def test_swizzle_stack_is_swizzle_of_each_matrix():
+    g = torch.Generator().manual_seed(3)
+    for rows, cols in ((32, 2), (128, 4), (200, 9)):
+        stack = torch.randint(0, 256, (5, rows, cols), generator=g, dtype=torch.uint8)
+        out = scale_swizzle.swizzle_stack(stack)
+        assert out.shape == (5, scale_swizzle.swizzled_size(rows, cols))
+        for t in range(5):
+            assert torch.equal(out[t], scale_swizzle.swizzle(stack[t]))
+
+
+def test_unswizzle_stack_inverts_swizzle_stack():
+    g = torch.Generator().manual_seed(4)
+    stack = torch.randint(0, 256, (3, 200, 9), generator=g, dtype=torch.uint8)
+    flat = scale_swizzle.swizzle_stack(stack)
+    assert torch.equal(scale_swizzle.unswizzle_stack(flat, 200, 9), stack)
+    assert torch.equal(scale_swizzle.unswizzle_stack(flat, 200, 9)[1], scale_swizzle.unswizzle(flat[1], 200, 9))

@@ -87,6 +87,8 @@ def _plant_unswizzled(monkeypatch):
     def row_major_in_place(rows: np.ndarray) -> np.ndarray:  # right size, tiles never permuted
         from k3bundle.formats.scale_swizzle import swizzled_size
 
+        if rows.ndim == 3:  # convert's stack of experts: each one as a 2-D scale matrix
+            return np.stack([row_major_in_place(r) for r in rows])
         flat = np.zeros(swizzled_size(*rows.shape), dtype=rows.dtype)
         flat[: rows.size] = rows.reshape(-1)
         return flat
@@ -97,13 +99,15 @@ def _plant_unswizzled(monkeypatch):
 def _plant_swapped_nibbles(monkeypatch):
     from k3bundle.formats import nvfp4
 
-    real = nvfp4.from_mxfp4
+    def swapping(real):
+        def swapped(packed, scales):
+            p16, s16, g, bad = real(packed, scales)
+            return _swap_nibbles(p16), s16, g, bad
+        return swapped
 
-    def swapped(packed, scales):
-        p16, s16, g, bad = real(packed, scales)
-        return _swap_nibbles(p16), s16, g, bad
-
-    monkeypatch.setattr(nvfp4, "from_mxfp4", swapped)
+    # the transcode of one tensor and of a stack of them (convert's path for many experts)
+    monkeypatch.setattr(nvfp4, "from_mxfp4", swapping(nvfp4.from_mxfp4))
+    monkeypatch.setattr(nvfp4, "from_mxfp4_stack", swapping(nvfp4.from_mxfp4_stack))
 
 
 @pytest.mark.parametrize("plant,convention", [(_plant_inverted_global, "compressed-tensors"),

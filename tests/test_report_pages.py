@@ -139,9 +139,12 @@ def test_failing_signoff_page_in_chromium(pages, tmp_path):
     assert "KDA" not in section or "MLA" in section  # the axis names layer types
     assert re.search(r">K<.*>M<", section, re.S)  # 61 layers: types abbreviated on the axis
     assert "would pass at" in section  # the failing added check and the limit that would have passed:
-    assert re.search(rf"<td>added</td><td class=\"num\">{FAULT_LAYER}</td><td><code>layers\.{FAULT_LAYER}\.mixer_out"
-                     r"</code></td><td>nmse</td><td class=\"num\">0\.024</td><td class=\"num\">≤ 4\.00e-04</td>"
-                     r"<td>60× the limit</td><td>≤ 0\.024</td>", section)
+    # the planted value is 3e-5 x 800 = 0.024 (see _case); its limit is the shipped bf16 file's
+    lim = load_tolerances(tolerance_dirs()[0] / "bf16.yaml").limits("added", f"layers.{FAULT_LAYER}.mixer_out")["nmse"]
+    row = (f'<td>added</td><td class="num">{FAULT_LAYER}</td><td><code>layers.{FAULT_LAYER}.mixer_out</code></td>'
+           f'<td>nmse</td><td class="num">0.024</td><td class="num">≤ {lim:.2e}</td>'
+           f"<td>{0.024 / lim:.3g}× the limit</td><td>≤ 0.024</td>")
+    assert row in section, row
     long = dom.split('id="case-long-context"', 1)[1].split("<h2", 1)[0]
     assert "42 of 4,000 positions are sampled" in long and long.count('class="rug"') == 42
     png = browser.screenshot(out / "signoff.html", tmp_path / "fail.png", tmp_path)

@@ -113,3 +113,18 @@ def test_check_keys_names_unknown_and_missing():
                             "1 missing tensor(s), first 'language_model.model.layers.4.self_attn.q_proj.weight'")
     with pytest.raises(SchemaError, match="not part of the Kimi K3 schema"):
         s.get("language_model.model.layers.99.input_layernorm.weight")
+
+
+def test_full_depth_preset_has_the_release_tensor_list(full):
+    """synth --preset full-depth: the release's every name, dtype and shard (the released
+    config's schema is the oracle), A_log padded as released, at narrow widths."""
+    from k3bundle.synth.presets import preset_config
+
+    narrow = Schema(preset_config("full-depth"))
+    want = [(s.name, s.dtype, full.shard_index(s)) for s in full.tensors()]
+    got = [(s.name, s.dtype, narrow.shard_index(s)) for s in narrow.tensors()]
+    assert got == want and len(got) == narrow.totals.tensors == 497_220
+    assert [narrow.shard_name(i) for i in (1, 96)] == [full.shard_name(i) for i in (1, 96)]
+    a_log = "language_model.model.layers.0.self_attn.A_log"
+    assert narrow.get(a_log).shape == full.get(a_log).shape == (128,)  # 96 (16 here) heads, padded to 128
+    assert narrow.totals.stored_bytes < 1.5e9  # "a few GB" at most: about 1.2 GB

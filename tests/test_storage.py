@@ -182,3 +182,35 @@ def test_every_format_parts_match_what_convert_writes(tiny_ckpt, tmp_path, scale
     assert seen == set(STORAGE)
     report = verify(out, tiny_ckpt)
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_decode_stack_is_decode_of_each_expert(name, swizzled):
+    """verify's value check decodes a rank's stacked experts at once: the same values, bit for
+    bit, as decoding each expert's slice (what a loader of one expert reads)."""
+    import numpy as np
+
+    from k3bundle.formats import mxfp4
+    from k3bundle.formats.scale_swizzle import swizzle_stack
+    from k3bundle.storage import STORAGE
+
+    fmt = STORAGE[name]
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (4, 64, 32), generator=g, dtype=torch.uint8)
+    scale = torch.randint(118, 136, (4, 64, 2), generator=g, dtype=torch.uint8)
+    if name == "nvfp4":
+        stack = [{"packed": packed[t].numpy(), "scale": scale[t].numpy()} for t in range(4)]
+        out, _ = fmt.encode_stack(stack)
+        parts = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items() if k != "global_scale"}
+        parts["global_scale"] = torch.from_numpy(out["global_scale"].reshape(4, 4).copy().view("<f4"))  # F32 [4, 1]
+    else:
+        parts = {"packed": packed, "scale": scale}
+    if swizzled:
+        parts["scale"] = swizzle_stack(parts["scale"])
+    got = fmt.decode_stack(parts, torch.float32)
+    for t in range(4):
+        one = fmt.decode({k: v[t] for k, v in parts.items()}, torch.float32)
+        assert torch.equal(got[t].view(torch.int32), one.view(torch.int32))
+    if name == "mxfp4" and not swizzled:
+        assert torch.equal(got, mxfp4.dequantize(packed, scale))

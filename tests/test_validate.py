@@ -86,6 +86,12 @@ def test_clean_bundle_passes(work, name, ranks):
     for f in ("signoff.json", "signoff.md", "signoff.html"):
         assert (work[name] / "reports" / f).is_file()
     assert "<svg" in (work[name] / "reports" / "signoff.html").read_text()
+    # the built-in device reads every weight file: level sample re-hashes them all, and says so
+    weights = sum(p.name.endswith(".safetensors") for p in (work[name] / "device_weights").rglob("*"))
+    manifest = json.loads((work[name] / "manifest.json").read_text())
+    assert data["integrity"].startswith(f"level sample: of {len(manifest['files'])} files")
+    assert f"{len(manifest['files'])} re-hashed" in data["integrity"] and weights > 0
+    assert not data["integrity_problems"]
 
 
 def test_worker_results_from_a_separate_torchrun_are_judged(work, tmp_path):
@@ -151,6 +157,11 @@ def test_changed_mxfp4_scale_byte_is_located(work, tmp_path):
     r, data = _validate(b)
     assert r.returncode == 1
     assert _first(data) == (4, "layers.4.ffn_out")
+    # the changed file is named too: a bundle that is not its manifest is never signed off
+    assert data["integrity"].startswith("FAILED") and entry["file"] in data["integrity_problems"][0]
+    r, data = _validate(b, "--verify", "manifest")  # sizes only: the numbers alone locate it
+    assert r.returncode == 1 and _first(data) == (4, "layers.4.ffn_out")
+    assert "nothing re-hashed" in data["integrity"] and not data["integrity_problems"]
 
 
 def test_misrouting_bias_is_caught_by_the_router_check(work, tmp_path):

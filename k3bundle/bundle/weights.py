@@ -151,6 +151,30 @@ class BundleWeights(WeightSource):
             out.append((parts.get("packed") or parts.get("weight") or first, _unpad(value, first["source"])))
         return out
 
+    def expert_stacks(self, role: str, layer: int) -> list[tuple[dict, tuple[int, int], torch.Tensor]] | None:
+        """Every rank's stacked experts of a routed-expert role instance, each decoded at once:
+        [(index entry of the first part, (first, stop) expert ids, [stop - first, rows, cols]
+        without padding)]; None when the bundle stores the role's experts one by one."""
+        by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
+        for e in self.entries.get((role, layer), []):
+            if "experts" not in e["source"]:
+                return None
+            by_rank[e["rank"]][e["part"]] = e
+        out = []
+        for r in sorted(by_rank):
+            parts = by_rank[r]
+            first = next(iter(parts.values()))
+            fmt = read_format(first, self.convention)
+            value = fmt.decode_stack({p: self.files.get(e) for p, e in parts.items()},
+                                     torch.float64 if self.policy.weight == torch.float64 else torch.float32)
+            src = first["source"]
+            r0, r1 = src["rows"]
+            value = value[:, : r1 - r0] if src.get("pad_rows") else value
+            if src.get("pad_cols") and src.get("cols") is not None:
+                value = value[:, :, : src["cols"][1] - src["cols"][0]]
+            out.append((parts.get("packed") or parts.get("weight") or first, tuple(src["experts"]), value))
+        return out
+
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
         slices = self.slices(role, layer, expert)
         if not slices:

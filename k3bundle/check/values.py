@@ -34,12 +34,16 @@ from k3bundle.storage import CONVENTIONS
 E4M3_MAX = 448.0
 
 
-def _instances(index: dict, experts: int) -> Iterator[tuple[str, int | None, int | None]]:
-    """(role, layer, expert) of every role instance with a quantized or re-coded device tensor."""
+def _recoded(index: dict) -> list[tuple[str, int | None]]:
+    """(role, layer) of every role with a quantized or re-coded device tensor."""
     seen = sorted({(e["role"], -1 if e["layer"] is None else e["layer"]) for e in index["tensors"]
                    if e["transform"] != "copy"})
-    for role, layer in seen:
-        lay = None if layer == -1 else layer
+    return [(role, None if layer == -1 else layer) for role, layer in seen]
+
+
+def _instances(index: dict, experts: int) -> Iterator[tuple[str, int | None, int | None]]:
+    """(role, layer, expert) of every role instance with a quantized or re-coded device tensor."""
+    for role, lay in _recoded(index):
         if ROLE_BY_NAME[role].scope is Scope.EXPERT:
             for x in range(experts):
                 yield role, lay, x
@@ -97,8 +101,17 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
     instances = slices = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many small tensors: intra-op threads only contend
+    stacked: set[tuple[str, int | None]] = set()
     try:
+        for role, layer in _recoded(index):  # routed experts stored stacked: a whole rank's stack at once
+            if ROLE_BY_NAME[role].scope is Scope.EXPERT:
+                done = _check_expert_stacks(bw, src, conv, requantized, role, layer, fail)
+                if done is not None:
+                    stacked.add((role, layer))
+                    instances, slices = instances + done[0], slices + done[1]
         for role, layer, expert in _instances(index, bw.config.text.num_experts):
+            if (role, layer) in stacked:
+                continue
             got = bw.slices(role, layer, expert)
             if not got:
                 continue
@@ -128,6 +141,46 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
         torch.set_num_threads(threads)
         bw.close()
     return instances, slices
+
+
+STACK_EXACT = ("copy", "swizzle-128x4", "nvfp4-from-mxfp4", "nvfp4-from-mxfp4+swizzle-128x4")
+
+
+def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requantized: dict[str, list],
+                         role: str, layer: int, fail) -> tuple[int, int] | None:
+    """``check_values`` for one routed-expert role of one layer, every rank's stacked experts
+    decoded in one pass (the same comparison, element for element, as the one-expert path);
+    None when the layout does not stack them or their transform has a per-tensor error bound."""
+    stacks = bw.expert_stacks(role, layer)
+    if not stacks or any(entry["transform"] not in STACK_EXACT for entry, _, _ in stacks):
+        return None
+    n = bw.config.text.num_experts
+    name = src.schema.name
+    packed = torch.stack([src.get(name(role, layer, e, part="packed")) for e in range(n)])
+    scale = torch.stack([src.get(name(role, layer, e, part="scale")) for e in range(n)])
+    full = mxfp4.dequantize(packed, scale, torch.float32)  # [experts, rows, cols]
+    slices = 0
+    for entry, (a, b), value in stacks:
+        s = entry["source"]
+        rows = slice(*s["rows"])
+        cols = slice(*s["cols"]) if s.get("cols") is not None else slice(None)
+        want = full[a:b, rows, cols]
+        allowed = torch.zeros_like(want)
+        for e in range(a, b):  # re-quantized NVFP4 blocks (rare): their own bound, as one by one
+            mask = _requantized_mask(requantized, name(role, layer, e, part="packed"), tuple(full.shape[1:]))
+            if mask is not None:
+                allowed[e - a] = _allowed(entry["transform"], want[e - a], mask[rows, cols])
+        bad = ~((value.to(torch.float32) - want).abs() <= allowed)
+        slices += b - a
+        if bool(bad.any()):
+            for i in bad.reshape(b - a, -1).any(-1).nonzero().flatten().tolist():
+                at = [int(j) for j in bad[i].nonzero()[0]]
+                key = name(role, layer, a + i, part="packed")
+                fail(f"rank {entry['rank']} {entry['key']} expert {a + i}: read through the declared {conv.name} "
+                     f"convention ({entry['storage']}, {conv.semantics}) it is not the source {key}: "
+                     f"{int(bad[i].sum())} of {bad[i].numel()} values off, e.g. {float(value[i][tuple(at)]):.6g} "
+                     f"for {float(want[i][tuple(at)]):.6g} at {at}")
+    return n, slices
 
 
 __all__ = ["check_values"]

@@ -5,6 +5,13 @@ Always:
      files (``validation/`` and ``reports/`` are written later by other commands);
   2. ``weights.index.json`` agrees with every device file's header (key, dtype, shape, bytes).
 
+Step 1 has three levels (``LEVELS``), for commands that check a bundle before they use it
+(``checklist --bundle``, ``validate``) and cannot re-read 1.7 TB each time: ``full`` re-hashes
+every file (``verify`` itself always does); ``sample`` re-hashes every file the caller will
+read, every metadata file (JSON, YAML) and a seeded random subset of the rest (``sample_size``),
+and checks the others' presence and size; ``manifest`` checks presence and size only. The
+report says which level ran and what it covered; step 2 runs at every level (headers only).
+
 With ``--source``:
   3. every source file the manifest records re-hashes to its sha256;
   4. every rank file is re-derived from the source (the conversion re-run into a scratch directory,
@@ -25,9 +32,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +66,12 @@ from k3bundle.source import SourceCheckpoint
 
 CHUNK = 64 << 20
 MAX_PROBLEMS = 50
+LEVELS = ("full", "sample", "manifest")
+
+
+def sample_size(n_files: int) -> int:
+    """Weight files re-hashed at level ``sample`` beyond those a check reads: 2%, at least 8."""
+    return min(n_files, max(8, math.ceil(0.02 * n_files)))
 
 
 @dataclass
@@ -73,6 +87,22 @@ class VerifyReport:
     reassembled_slices: int = 0
     value_checked_tensors: int = 0
     value_checked_slices: int = 0
+    level: str = "full"
+    seed: int = 0
+    hashed_files: int = 0  # re-hashed against the manifest (all of them at level full)
+    hashed_bytes: int = 0
+
+    @property
+    def coverage(self) -> str:
+        """One line: which level ran and what it covered."""
+        if self.level == "full":
+            return f"level full: all {self.files} files ({self.bytes:,} bytes) re-hashed"
+        size_only = self.files - self.hashed_files
+        how = (f"{self.hashed_files} re-hashed ({self.hashed_bytes:,} bytes: every file read here, the metadata "
+               f"and a random sample, seed {self.seed}), {size_only} checked for presence and size only")
+        if self.level == "manifest":
+            how = f"{self.files} checked for presence and size only (nothing re-hashed)"
+        return f"level {self.level}: of {self.files} files ({self.bytes:,} bytes) {how}"
 
     @property
     def ok(self) -> bool:
@@ -85,17 +115,39 @@ class VerifyReport:
             self.problems.append("... more problems not shown")
 
 
-def _listed_files(bundle: Path, manifest: dict, report: VerifyReport) -> dict[str, str]:
+def _to_hash(manifest: dict, level: str, seed: int, reads: Iterable[str]) -> set[str] | None:
+    """The manifest paths re-hashed at ``level`` (None: every one)."""
+    if level == "full":
+        return None
+    if level == "manifest":
+        return set()
+    paths = [f["path"] for f in manifest["files"]]
+    metadata = {p for p in paths if not p.endswith(".safetensors")}
+    rest = sorted(set(paths) - metadata - set(reads))
+    picked = random.Random(seed).sample(rest, min(len(rest), sample_size(len(rest))))
+    return metadata | set(reads) | set(picked)
+
+
+def _listed_files(bundle: Path, manifest: dict, report: VerifyReport, to_hash: set[str] | None = None
+                  ) -> dict[str, str]:
     actual: dict[str, str] = {}
     for f in manifest["files"]:
         p = bundle / f["path"]
         if not p.is_file():
             report.fail(f"{f['path']}: missing")
             continue
+        report.files += 1
+        if to_hash is not None and f["path"] not in to_hash:
+            size = p.stat().st_size
+            report.bytes += size
+            if size != f["size"]:
+                report.fail(f"{f['path']}: {size} bytes, manifest says {f['size']}")
+            continue
         sha, size = sha256_file(p)
         actual[f["path"]] = sha
-        report.files += 1
         report.bytes += size
+        report.hashed_files += 1
+        report.hashed_bytes += size
         if size != f["size"]:
             report.fail(f"{f['path']}: {size} bytes, manifest says {f['size']}")
         elif sha != f["sha256"]:
@@ -136,12 +188,21 @@ def _check_index(bundle: Path, index: dict, report: VerifyReport) -> None:
 
 
 def verify(bundle: str | Path, source: str | Path | None = None,
-           progress: Callable[[int, int, str], None] | None = None) -> VerifyReport:
-    """Verify ``bundle`` (see the module docstring); problems are collected, not raised."""
+           progress: Callable[[int, int, str], None] | None = None, level: str = "full", seed: int = 0,
+           reads: Iterable[str] = ()) -> VerifyReport:
+    """Verify ``bundle`` (see the module docstring); problems are collected, not raised.
+
+    ``level`` (``LEVELS``) and ``seed`` choose what step 1 re-hashes; ``reads`` are the manifest
+    paths the caller will read, re-hashed at level ``sample``. ``--source`` needs level full.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"verification level {level!r}: choose one of {', '.join(LEVELS)}")
+    if source is not None and level != "full":
+        raise ValueError("verify --source re-derives every file: it runs at level full only")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    report = VerifyReport(str(bundle))
-    actual = _listed_files(bundle, manifest, report)
+    report = VerifyReport(str(bundle), level=level, seed=seed)
+    actual = _listed_files(bundle, manifest, report, _to_hash(manifest, level, seed, reads))
     index = read_index(bundle / INDEX_NAME)
     _check_index(bundle, index, report)
     if source is not None:

@@ -86,7 +86,8 @@ def _bundle_graph(bundle: Path) -> dict | None:
 
 
 def make_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
-                   context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH) -> Checklist:
+                   context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH, verify_level: str = "sample",
+                   verify_seed: int = 0) -> Checklist:
     """The bring-up checklist of ``target``, from a config (default: the released K3) or a bundle.
 
     Args:
@@ -96,6 +97,10 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
             ``graph_manifest.json`` are used and its manifest, goldens and reports are the evidence.
         context (`int`): tokens per request. Defaults to 131,072.
         batch (`int`): concurrent requests over the deployment. Defaults to 1.
+        verify_level (`str`): how the bundle's files are checked against its manifest
+            (``check.verify.LEVELS``): ``sample`` (default) re-hashes the metadata and a seeded
+            sample of the weight files, ``full`` every file, ``manifest`` none (sizes only).
+        verify_seed (`int`): the sample's seed.
 
     Example:
         >>> make_checklist("b300-tp8").capacity.tokens_fit
@@ -132,7 +137,10 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         r = roofline(plan, manifest, n, b)
         return r.decode.bound.value, r.prefill.bound.value
 
-    stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify)
+    def verify_bundle(b):
+        return verify(b, level=verify_level, seed=verify_seed)
+
+    stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify_bundle)
     model = str(cfg_path) if config is not None or bdir is not None else f"released Kimi K3 config ({cfg_path.name})"
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
                      kernel_coverage(plan, manifest), stages)

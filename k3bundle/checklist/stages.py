@@ -133,8 +133,8 @@ def _conversion(bundle: Path | None, target: str, verify_fn: Callable) -> Stage:
         s.next = f"k3bundle verify {bundle}"
         return s
     s.done = True
-    s.evidence = (f"manifest.json for {target}: {r.files} files ({r.bytes:,} bytes) re-hashed, every sha256 and "
-                  "size matches; weights.index.json agrees with every device file header")
+    s.evidence = (f"manifest.json for {target}, {r.coverage}: every sha256 and size checked matches; "
+                  "weights.index.json agrees with every device file header")
     s.next = f"k3bundle verify {bundle} --source SOURCE  (re-derive every rank file from the source)"
     return s
 

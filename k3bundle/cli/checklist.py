@@ -9,6 +9,7 @@ import typer
 
 from k3bundle.checklist import DEFAULT_BATCH, DEFAULT_CONTEXT, make_checklist, to_markdown
 from k3bundle.checklist import ChecklistError, save_checklist
+from k3bundle.check.verify import LEVELS
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output, exit_with
 
 EXAMPLES = [
@@ -26,6 +27,8 @@ def checklist(
     context: Annotated[int, typer.Option(help="Tokens per request the cache must hold (and a prompt's length for TTFT).")] = DEFAULT_CONTEXT,
     batch: Annotated[int, typer.Option(help="Concurrent requests over the whole deployment.")] = DEFAULT_BATCH,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown here (and the JSON beside it, .json) instead of stdout.")] = None,
+    verify: Annotated[str, typer.Option("--verify", help="With --bundle, how its files are checked against the manifest: sample (default: the metadata and a seeded 2% of the weight files re-hashed, the rest by size), full (every byte re-hashed), manifest (sizes only).")] = "sample",
+    verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
     json_: JsonOpt = False,
 ) -> None:
     """The bring-up checklist of a target: numbers computed from the plan, stages ticked only from evidence.
@@ -36,7 +39,10 @@ def checklist(
         raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
     if out is not None and out.suffix == ".json":
         raise ChecklistError(f"{out}: --out names the Markdown file (e.g. checklist.md); the JSON is written beside it")
-    cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch)
+    if verify not in LEVELS:
+        raise ChecklistError(f"--verify {verify}: choose one of {', '.join(LEVELS)}")
+    cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch, verify_level=verify,
+                        verify_seed=verify_seed)
     o = Output(json_)
     if out is None:
         o.result(to_markdown(cl), cl.to_dict())

@@ -23,7 +23,7 @@ def plan(
     target: Annotated[str, typer.Option("--target", "-t", help="Layout name (layouts/NAME.yaml) or a path to a layout YAML.")],
     source: Annotated[Path | None, typer.Option("--source", help="A checkpoint directory (headers only; no weight I/O).")] = None,
     config: ConfigOpt = None,
-    preset: Annotated[str | None, typer.Option(help="A built-in config: full (the release), tiny or small.")] = None,
+    preset: Annotated[str | None, typer.Option(help="A built-in config: full (the release), tiny, small or full-depth.")] = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="Also list every device tensor: rank, file, key, dtype, shape, source slice, transform.")] = False,
     json_: JsonOpt = False,
 ) -> None:

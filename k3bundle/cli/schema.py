@@ -20,7 +20,7 @@ EXAMPLES = [
 
 def schema(
     config: Annotated[Path | None, typer.Option(help="A released-style config.json.")] = None,
-    preset: Annotated[str | None, typer.Option(help="A built-in config: full, tiny or small.")] = None,
+    preset: Annotated[str | None, typer.Option(help="A built-in config: full, tiny, small or full-depth.")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List every stored tensor (name, shape, dtype, role, layer, TP rule).")] = False,
     json_: JsonOpt = False,
 ) -> None:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from k3bundle.check.verify import LEVELS
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
 from k3bundle.validate.report import remove_reports, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
@@ -28,9 +29,13 @@ def validate(
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
     rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports).")] = None,
+    verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
+    verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
     json_: JsonOpt = False,
 ) -> None:
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
+    if verify not in LEVELS:
+        raise typer.BadParameter(f"--verify must be one of {', '.join(LEVELS)}, got {verify!r}")
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
     reports = out or bundle / "reports"
@@ -38,7 +43,7 @@ def validate(
         dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
                           rank_results=rank_results)
         with progress_bar("validate", enabled=not json_) as update:
-            rep = run_validate(bundle, dut, progress=update)
+            rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed)
     except BaseException:
         remove_reports(reports)  # an earlier run's PASS must not outlive a run that could not be judged
         raise
@@ -53,6 +58,7 @@ def validate(
         where = "" if ff is None else f" — first failure: layer {ff.layer}, {ff.tap} ({ff.mode})"
         failed = sum(not r.passed for r in c.results)
         lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
+    lines.append(f"bundle files: {rep.integrity}")
     lines.append("reports: " + ", ".join(str(f) for f in files))
     Output(json_).result("\n".join(lines), {**to_json(rep), "reports": [str(f) for f in files]})
     exit_with(rep.exit_code)

@@ -13,8 +13,9 @@ each rank's slice of it lands). The worker:
 3. compares the source sha256 with ``source.json`` when the pull recorded one;
 4. hashes each output (read back from the page cache) and renames it into place.
 
-Each source byte is read once. Peak memory is one read block plus what one sink buffers
-(128 rows for FP8 blocks; one expert tensor for NVFP4; one scale slice for swizzling),
+Each source byte is read once. Peak memory is one read block plus what the sinks buffer
+(128 rows for FP8 blocks; up to ``STACK_BYTES`` of expert tensors for NVFP4, encoded as one
+stack; one scale slice for swizzling),
 independent of the model's size.
 """
 
@@ -42,6 +43,7 @@ from k3bundle.storage.base import source_byte_cols, swizzle_rows
 READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
 READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
 READ_AHEAD = 256 << 20  # kept requested from the kernel (posix_fadvise WILLNEED) ahead of the reader
+STACK_BYTES = 64 << 20  # whole-tensor groups (NVFP4 experts) collected and encoded together up to this
 TMP_SUFFIX = ".k3tmp"
 THROTTLE_ENV = "K3BUNDLE_CONVERT_THROTTLE_S"  # test hook: sleep per unit before renaming outputs
 
@@ -105,29 +107,33 @@ class UnitResult:
 def build_unit(plan: Plan, shard: str, expected_sha256: str | None = None) -> UnitWork:
     """Plan the work of one source file: its device files and every group's sinks."""
     files = shard_files(plan, shard)
-    dests: dict[tuple[Target, int | None], dict[str, tuple[int, int]]] = {}
+    # target -> expert -> device part -> (file index, offset); what depends on the target alone
+    # is computed once per target, not per expert (full-depth: 896 experts x 8 ranks per layer)
+    dests: dict[Target, dict[int | None, dict[str, tuple[int, int]]]] = {}
     for fi, f in enumerate(files):
         for d, off in zip(f.tensors, f.offsets):
             base = f.data_start + off
+            by_expert = dests.setdefault(d.target, {})
             if d.stacked:
-                e0 = d.target.experts[0]
+                e0, step, part = d.target.experts[0], d.part.nbytes, d.part.part
                 for e in range(*d.target.experts):
-                    dests.setdefault((d.target, e), {})[d.part.part] = (fi, base + (e - e0) * d.part.nbytes)
+                    by_expert.setdefault(e, {})[part] = (fi, base + (e - e0) * step)
             else:
-                dests.setdefault((d.target, d.expert), {})[d.part.part] = (fi, base)
+                by_expert.setdefault(d.expert, {})[d.part.part] = (fi, base)
     groups: dict[tuple, Group] = {}
     schema = plan.schema
-    for (t, e), where in dests.items():
-        key = (t.role.role, t.layer, e)
-        g = groups.get(key)
-        if g is None:
-            specs = schema.specs(t.role, t.layer, e)
-            g = groups[key] = Group({s.part: s.name for s in specs}, specs[0].dtype)
-        shape = plan.slice_shape(t)
+    for t, by_expert in dests.items():
+        shape, parts = plan.slice_shape(t), tuple(plan.parts(t))
         rows = schema.logical_shape(t.role)[0]
         lo, hi = (0, rows) if t.split == "cols" else (t.start, t.stop)
-        g.sinks.append(Sink(t, e, tuple(plan.parts(t)), where, shape, lo, hi,
-                            (t.start, t.stop) if t.split == "cols" else None))
+        cols = (t.start, t.stop) if t.split == "cols" else None
+        for e, where in by_expert.items():
+            key = (t.role.role, t.layer, e)
+            g = groups.get(key)
+            if g is None:
+                specs = schema.specs(t.role, t.layer, e)
+                g = groups[key] = Group({s.part: s.name for s in specs}, specs[0].dtype)
+            g.sinks.append(Sink(t, e, parts, where, shape, lo, hi, cols))
     return UnitWork(shard, files, list(groups.values()), expected_sha256)
 
 
@@ -136,11 +142,12 @@ def build_unit(plan: Plan, shard: str, expected_sha256: str | None = None) -> Un
 
 
 def _pad_cols(rows: np.ndarray, width: int) -> np.ndarray:
-    """Append zero bytes to each row up to ``width`` bytes (no copy when already that wide)."""
-    if rows.shape[1] == width:
+    """Append zero bytes to each row (last dimension) up to ``width`` bytes (no copy when
+    already that wide)."""
+    if rows.shape[-1] == width:
         return rows
-    out = np.zeros((rows.shape[0], width), dtype=np.uint8)
-    out[:, : rows.shape[1]] = rows
+    out = np.zeros((*rows.shape[:-1], width), dtype=np.uint8)
+    out[..., : rows.shape[-1]] = rows
     return out
 
 
@@ -157,7 +164,10 @@ class _Writer:
         self.fds, self.paths = fds, paths
         self.pending: dict[tuple, list] = {}  # (kind, sink id, part) -> buffered rows
         self.whole: dict[int, dict[str, np.ndarray]] = {}  # group id -> source parts read so far
-        self.requantized: list[dict] = []
+        self.stacks: dict[tuple, list] = {}  # (format, part shapes) -> complete groups to encode together
+        self.stacked_bytes = 0
+        self.done: list[Group] = []  # complete whole-tensor groups, in file order
+        self.requantized: list[tuple[int, dict]] = []  # (file-order rank of the group, entry)
 
     def put(self, sink: Sink, part: str, rel: int, data: np.ndarray) -> None:
         fi, base = sink.dests[part]
@@ -205,17 +215,65 @@ class _Writer:
 
     # ---- whole-tensor formats: every part of the source tensor, then every sink's slice ----
     def tensor_part(self, group: Group, part: str, block: np.ndarray) -> None:
+        """Collect a group's source parts; complete groups of one shape are encoded as a stack
+        (``STACK_BYTES`` at a time) so that thousands of small experts cost a few tensor
+        operations and one positioned write per run of adjacent device slices, not one of each
+        per expert and rank."""
         have = self.whole.setdefault(id(group), {})
         have[part] = block
         if len(have) < len(group.names):
             return
         del self.whole[id(group)]
-        fmt = group.storage
-        out, requantized = fmt.encode_tensor(have)
-        if requantized:
-            self.requantized.append({"source_key": group.names[fmt.requantized_part], "blocks": requantized})
-        for sink in group.sinks:
-            self._place(sink, 0, fmt.slice_tensor(out, (sink.row_lo, sink.row_hi), sink.cols), last=True)
+        key = (id(group.storage), tuple(sorted((k, v.shape) for k, v in have.items())))
+        self.stacks.setdefault(key, []).append((len(self.done), group, have))
+        self.done.append(group)
+        self.stacked_bytes += sum(v.nbytes for v in have.values())
+        if self.stacked_bytes >= STACK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Encode and place every collected whole-tensor group."""
+        for members in self.stacks.values():
+            fmt = members[0][1].storage
+            out, requantized = fmt.encode_stack([have for _, _, have in members])
+            for (seq, group, _), blocks in zip(members, requantized):
+                if blocks:
+                    self.requantized.append((seq, {"source_key": group.names[fmt.requantized_part], "blocks": blocks}))
+            slots: dict[tuple, list[tuple[int, Sink]]] = {}  # one rank's slice of every member
+            for t, (_, group, _) in enumerate(members):
+                for sink in group.sinks:
+                    slots.setdefault((id(sink.target), sink.row_lo, sink.row_hi, sink.cols), []).append((t, sink))
+            for slot in slots.values():
+                sink0 = slot[0][1]
+                parts = fmt.slice_tensor(out, (sink0.row_lo, sink0.row_hi), sink0.cols)
+                index = [t for t, _ in slot]
+                for name, stack in parts.items():
+                    dp = sink0.part(name)
+                    rows = _pad_cols(stack[index], dp.row_bytes)
+                    if dp.swizzled_cols:
+                        rows = swizzle_rows(rows)
+                    self.put_runs([s for _, s in slot], name, rows.reshape(len(slot), -1))
+        self.stacks.clear()
+        self.stacked_bytes = 0
+
+    def put_runs(self, sinks: list[Sink], part: str, data: np.ndarray) -> None:
+        """Write row i of ``data`` at sink i's offset, one ``pwrite`` per run of adjacent offsets."""
+        order = sorted(range(len(sinks)), key=lambda i: sinks[i].dests[part])
+        size = data.shape[1]
+        i = 0
+        while i < len(order):
+            fi, base = sinks[order[i]].dests[part]
+            j = i + 1
+            while j < len(order) and sinks[order[j]].dests[part] == (fi, base + (j - i) * size):
+                j += 1
+            run = order[i:j]
+            adjacent = run == list(range(run[0], run[-1] + 1))
+            self.put(sinks[run[0]], part, 0, data[run[0]: run[-1] + 1] if adjacent else data[run])
+            i = j
+
+    def requantized_blocks(self) -> list[dict]:
+        """Re-quantized blocks per source tensor, in source file order."""
+        return [entry for _, entry in sorted(self.requantized, key=lambda x: x[0])]
 
     # ---- placement ----
     def _place(self, sink: Sink, rel: int, out: dict[str, np.ndarray], last: bool) -> None:
@@ -293,6 +351,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         writer = _Writer(fds, [f.path for f in work.files])
         st = os.stat(src)
         sha = _read_and_dispatch(work, src, header, writer)
+        writer.flush()
         if work.expected_sha256 and sha != work.expected_sha256:
             raise ConvertError(f"{src}: sha256 {sha} does not match source.json ({work.expected_sha256}); "
                                "the file changed or is corrupt since it was pulled: pull it again")
@@ -311,7 +370,7 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
             os.close(fd)
         fds.clear()
         tmps.clear()
-        return UnitResult(work.shard, sha, header.file_size, st.st_mtime_ns, outputs, writer.requantized)
+        return UnitResult(work.shard, sha, header.file_size, st.st_mtime_ns, outputs, writer.requantized_blocks())
     except OSError as e:  # reads raise ConvertError themselves; this is the output side
         raise disk_error(e, str(out)) from None
     finally:

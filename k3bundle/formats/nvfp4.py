@@ -186,3 +186,42 @@ def from_mxfp4(
 
     packed16 = e2m1.pack(codes_N2H.reshape(*lead, nb * mxfp4.BLOCK))
     return packed16, scales_N2.reshape(*lead, nb * 2), global_scale.reshape(()), bad_N
+
+
+def from_mxfp4_stack(
+    packed: torch.Tensor, scales_e8m0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``from_mxfp4`` of each tensor of a stack [T, ...] at once: its own global scale each.
+
+    The same function as calling ``from_mxfp4`` on every ``packed[t], scales_e8m0[t]``
+    (tests/test_nvfp4.py checks byte equality), with one pass of tensor operations for the
+    whole stack instead of one per tensor: at the release's 82,432 expert tensors of a few KB
+    each (the ``full-depth`` scale test), per-call overhead, not bytes, is the cost. Tensors
+    with a block to re-quantize (rare: an exponent more than 17 below the tensor's largest)
+    are redone alone by ``from_mxfp4``.
+
+    Returns:
+        (packed uint8 [T, ..., n/2], scales uint8 [T, ..., n/16], global_scale f32 [T],
+        bad_blocks bool [T, ..., n/32]).
+    """
+    if scales_e8m0.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scales_e8m0 = scales_e8m0.view(torch.uint8)
+    mxfp4.check_shapes(packed, scales_e8m0, mxfp4.BLOCK, "nvfp4.from_mxfp4_stack")
+    if packed.ndim < 2:
+        raise CodecError(f"nvfp4.from_mxfp4_stack: expected a stack [T, ..., n/2], got {tuple(packed.shape)}")
+    lead, nb = scales_e8m0.shape[:-1], scales_e8m0.shape[-1]
+    codes_NB = e2m1.unpack(packed).reshape(*lead, nb, mxfp4.BLOCK)
+    exp_N = scales_e8m0.to(torch.int32) - mxfp4.E8M0_BIAS
+    is_nan_N = scales_e8m0 == mxfp4.E8M0_NAN
+    live_N = ((codes_NB & 0x7).amax(-1) > 0) & ~is_nan_N
+    floor = torch.iinfo(torch.int32).min
+    top_T = torch.where(live_N, exp_N, floor).reshape(lead[0], -1).amax(-1)
+    g_exp_T = torch.where(top_T == floor, 8, top_T) - 8  # no live block: 8, as from_mxfp4
+    k_N = exp_N - g_exp_T.reshape(-1, *([1] * (exp_N.ndim - 1)))
+    bad_N = live_N & (k_N < -9)
+    scales_N = torch.where(is_nan_N, E4M3_NAN, _e4m3_pow2_byte(k_N.clamp(-9, 8))).to(torch.uint8)
+    packed16 = packed.clone()  # codes are kept where the scale fits: the same bytes
+    scales16 = scales_N[..., None].expand(*lead, nb, 2).reshape(*lead, nb * 2).clone()
+    for t in bad_N.reshape(lead[0], -1).any(-1).nonzero().flatten().tolist():
+        packed16[t], scales16[t], _, bad_N[t] = from_mxfp4(packed[t], scales_e8m0[t])
+    return packed16, scales16, mxfp4.pow2(g_exp_T), bad_N

@@ -70,3 +70,27 @@ def unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     by_rt_q_p_ct_c = by_rt_ct_p_q_c.permute(0, 3, 2, 1, 4)
     padded = by_rt_q_p_ct_c.reshape(n_rt * TILE_ROWS, n_ct * TILE_COLS)
     return padded[:rows, :cols].contiguous()
+
+
+def swizzle_stack(scales: torch.Tensor) -> torch.Tensor:
+    """``swizzle`` of each matrix of a stack [T, R, C] at once -> [T, swizzled_size(R, C)]."""
+    if scales.ndim != 3:
+        raise CodecError(f"scale_swizzle.swizzle_stack: expected a stack [T, R, C], got {tuple(scales.shape)}")
+    t, rows, cols = scales.shape
+    n_rt, n_ct = _tiles(rows, cols)
+    padded = scales.new_zeros(t, n_rt * TILE_ROWS, n_ct * TILE_COLS)
+    padded[:, :rows, :cols] = scales
+    by_rt_q_p_ct_c = padded.reshape(t, n_rt, 4, 32, n_ct, TILE_COLS)
+    return by_rt_q_p_ct_c.permute(0, 1, 4, 3, 2, 5).reshape(t, -1)
+
+
+def unswizzle_stack(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``swizzle_stack``: [T, swizzled_size(rows, cols)] -> [T, rows, cols]."""
+    want = swizzled_size(rows, cols)
+    if flat.ndim != 2 or flat.shape[1] != want:
+        raise CodecError(f"scale_swizzle.unswizzle_stack: {tuple(flat.shape)} does not hold a stack of "
+                         f"[{rows}, {cols}] swizzled ({want} elements each)")
+    t = flat.shape[0]
+    n_rt, n_ct = _tiles(rows, cols)
+    by_rt_q_p_ct_c = flat.reshape(t, n_rt, n_ct, 32, 4, TILE_COLS).permute(0, 1, 4, 3, 2, 5)
+    return by_rt_q_p_ct_c.reshape(t, n_rt * TILE_ROWS, n_ct * TILE_COLS)[:, :rows, :cols].contiguous()

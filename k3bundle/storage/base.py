@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from k3bundle.formats import mxfp4
-from k3bundle.formats.scale_swizzle import swizzle, swizzled_size, unswizzle
+from k3bundle.formats.scale_swizzle import swizzle, swizzle_stack, swizzled_size, unswizzle, unswizzle_stack
 from k3bundle.io.dtypes import dtype_bits, tensor_nbytes
 from k3bundle.schema import Format, Role
 from k3bundle.storage.conventions import COMPRESSED_TENSORS, Convention, convention
@@ -65,16 +65,23 @@ def block_scale(suffix: str, dtype: str, rows: int, blocks: int, swizzled: bool,
                       swizzled_cols=blocks)
 
 
-def row_major_scale(scale: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
-    """A stored block scale as a [rows, blocks] matrix: un-swizzled when it is stored flat."""
+def row_major_scale(scale: torch.Tensor, rows: int, blocks: int, stack: int = 0) -> torch.Tensor:
+    """A stored block scale as a [rows, blocks] matrix: un-swizzled when it is stored flat. With
+    ``stack`` = T, a stack of T experts' scales ([T, rows, blocks], or [T, flat]) -> [T, rows, blocks]."""
+    if stack:
+        if scale.ndim == 3:
+            return scale
+        return unswizzle_stack(scale.reshape(stack, -1), rows, blocks)
     if scale.ndim == 1 or scale.shape[-1] != blocks:
         return unswizzle(scale.reshape(-1), rows, blocks)
     return scale
 
 
 def swizzle_rows(scale_rows: np.ndarray) -> np.ndarray:
-    """Row-major scale bytes [R, C] -> the 128x4 swizzled layout (flat, zero padded)."""
-    return swizzle(torch.from_numpy(np.ascontiguousarray(scale_rows))).numpy()
+    """Row-major scale bytes [R, C] -> the 128x4 swizzled layout (flat, zero padded); a stack
+    [T, R, C] -> [T, flat] (each matrix swizzled on its own)."""
+    t = torch.from_numpy(np.ascontiguousarray(scale_rows))
+    return (swizzle_stack(t) if t.ndim == 3 else swizzle(t)).numpy()
 
 
 def bf16_rows(rows: np.ndarray) -> torch.Tensor:
@@ -177,11 +184,24 @@ class StorageFormat:
         """Whole-tensor formats: every source part -> (device parts, re-quantized [row, block]s)."""
         raise NotImplementedError
 
+    def encode_stack(self, stack: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[list[list[int]]]]:
+        """Whole-tensor formats: ``encode_tensor`` of each member of a stack of same-shaped
+        tensors, each device part stacked [T, ...] (convert's batch of small experts)."""
+        outs = [self.encode_tensor(parts) for parts in stack]
+        return {k: np.stack([o[k] for o, _ in outs]) for k in outs[0][0]}, [r for _, r in outs]
+
     def slice_tensor(self, parts: dict[str, np.ndarray], rows: tuple[int, int],
                      cols: tuple[int, int] | None) -> dict[str, np.ndarray]:
-        """Whole-tensor formats: one rank's slice (logical rows/cols) of ``encode_tensor``'s parts."""
+        """Whole-tensor formats: one rank's slice (logical rows/cols) of ``encode_tensor``'s
+        parts; the same for ``encode_stack``'s (the slice is of the last two dimensions)."""
         raise NotImplementedError
 
     def decode(self, parts: dict[str, torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
         """The device parts of one slice back to logical values (padding included)."""
         raise NotImplementedError
+
+    def decode_stack(self, parts: dict[str, torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+        """``decode`` of a rank's stacked experts ([T, ...] per part) -> [T, rows, cols]; formats
+        that decode a stack in one pass override this (verify's value check of 82k experts)."""
+        n = next(iter(parts.values())).shape[0]
+        return torch.stack([self.decode({k: v[t] for k, v in parts.items()}, out_dtype) for t in range(n)])

@@ -35,10 +35,10 @@ def mxfp4_parts(fmt: StorageFormat, shape: tuple[int, ...], swizzled: bool, tran
     return [packed, scale]
 
 
-def mxfp4_decode(parts: dict[str, torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def mxfp4_decode(parts: dict[str, torch.Tensor], out_dtype: torch.dtype, stack: int = 0) -> torch.Tensor:
     packed = parts["packed"]
     rows, cols = packed.shape[-2], packed.shape[-1] * 2
-    scale = row_major_scale(parts["scale"], rows, cols // mxfp4.BLOCK)
+    scale = row_major_scale(parts["scale"], rows, cols // mxfp4.BLOCK, stack)
     return mxfp4.dequantize(packed, scale.view(torch.uint8), out_dtype)
 
 
@@ -65,6 +65,9 @@ class MXFP4(StorageFormat):
 
     def decode(self, parts, out_dtype):
         return mxfp4_decode(parts, out_dtype)
+
+    def decode_stack(self, parts, out_dtype):
+        return mxfp4_decode(parts, out_dtype, stack=parts["packed"].shape[0])
 
 
 FORMAT = MXFP4()

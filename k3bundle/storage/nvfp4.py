@@ -58,13 +58,24 @@ class NVFP4(StorageFormat):
         return {"packed": p16.numpy(), "scale": s16.numpy(),
                 "global_scale": u8(self.convention.store_global(g.reshape(1)))}, blocks
 
+    def encode_stack(self, stack):
+        """``encode_tensor`` of T same-shaped pairs in one ``nvfp4.from_mxfp4_stack`` pass."""
+        packed = torch.from_numpy(np.stack([p["packed"] for p in stack]))
+        scale = torch.from_numpy(np.stack([p["scale"] for p in stack]))
+        p16, s16, g, bad = nvfp4.from_mxfp4_stack(packed, scale)
+        any_bad = bad.reshape(len(stack), -1).any(-1).tolist()
+        blocks = [[[int(r), int(b)] for r, b in bad[t].nonzero().tolist()] if any_bad[t] else []
+                  for t in range(len(stack))]
+        stored = u8(self.convention.store_global(g)).reshape(len(stack), 1, -1)
+        return {"packed": p16.numpy(), "scale": s16.numpy(), "global_scale": stored}, blocks
+
     def slice_tensor(self, parts, rows, cols):
         r = slice(*rows)
-        packed, scale = parts["packed"][r], parts["scale"][r]
+        packed, scale = parts["packed"][..., r, :], parts["scale"][..., r, :]
         if cols is not None:
             c, d = cols
-            packed = packed[:, c // 2: d // 2]
-            scale = scale[:, c // nvfp4.BLOCK: d // nvfp4.BLOCK]
+            packed = packed[..., c // 2: d // 2]
+            scale = scale[..., c // nvfp4.BLOCK: d // nvfp4.BLOCK]
         return {"packed": packed, "scale": scale, "global_scale": parts["global_scale"]}
 
     def decode(self, parts, out_dtype):
@@ -72,6 +83,13 @@ class NVFP4(StorageFormat):
         rows, cols = packed.shape[-2], packed.shape[-1] * 2
         scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK)
         multiplier = self.convention.load_global(parts["global_scale"].reshape(()))
+        return nvfp4.dequantize(packed, scale.view(torch.uint8), multiplier, out_dtype)
+
+    def decode_stack(self, parts, out_dtype):
+        packed = parts["packed"]
+        n, rows, cols = packed.shape[0], packed.shape[-2], packed.shape[-1] * 2
+        scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK, stack=n)
+        multiplier = self.convention.load_global(parts["global_scale"].reshape(n)).reshape(n, 1, 1, 1)
         return nvfp4.dequantize(packed, scale.view(torch.uint8), multiplier, out_dtype)
 
 

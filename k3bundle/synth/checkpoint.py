@@ -73,14 +73,15 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
 
     Args:
         out (`Path`): destination directory; must not exist unless ``force``.
-        preset (`str`): "tiny", "tiny-trained" or "small" ("full" is refused: 1.56 TB).
+        preset (`str`): "tiny", "tiny-trained", "small" or "full-depth" ("full" is refused: 1.56 TB).
         seed (`int`): same seed => byte-identical files. A trained preset is one fixed model:
             its text tensors come from the package and the seed must stay 0.
         progress (`callable`, optional): called as ``progress(done, total, file_name)``.
     """
     if preset == "full":
         raise SynthError("preset 'full' is the real 1.56 TB model; use it with plan/checklist "
-                         "(--config), synth writes 'tiny' or 'small'")
+                         "(--config); synth writes its narrow stand-ins, e.g. 'tiny', or 'full-depth' "
+                         "(every released tensor name at narrow widths)")
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise SynthError(f"{out}: already exists and is not empty (pass --force to replace it)")

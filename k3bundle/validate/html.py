@@ -300,6 +300,7 @@ def to_html(rep) -> str:
                               f"{esc(gm.get('dtype'))}, k3bundle {esc(gm.get('k3bundle_version'))}"),
                   ("limits calibrated", esc(rep.tolerances.calibration_run or "no calibration recorded")),
                   ("exact check", esc(rep.exact or "not run")),
+                  ("bundle files", esc(rep.integrity or "not checked")),
                   ("report", f"k3bundle {esc(__version__)}, {rep.seconds:.1f} s")]),
             "<h2>Cases</h2>", _summary(rep)]
     body += [_case(rep, c, n, types, tokens.get(c.name)) for c in rep.cases]

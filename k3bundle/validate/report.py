@@ -54,6 +54,7 @@ def to_json(rep) -> dict:
     return {"schema_version": SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
             "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
+            "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases}
 
 
@@ -66,7 +67,8 @@ def to_markdown(rep) -> str:
              f"dtype {rep.golden_meta.get('dtype')}, k3bundle {rep.golden_meta.get('k3bundle_version')}",
              f"- k3bundle {__version__}, {rep.seconds:.1f} s",
              f"- limits calibrated: {rep.tolerances.calibration_run or 'no calibration recorded'}",
-             f"- exact check (float32 on the goldens' own weights): {rep.exact or 'not run'}", "",
+             f"- exact check (float32 on the goldens' own weights): {rep.exact or 'not run'}",
+             f"- bundle files against the manifest: {rep.integrity or 'not checked'}", "",
              "| case | kind | status | checks failed | first failing layer / tap | greedy | state drift max |",
              "|---|---|---|---|---|---|---|"]
     for c in rep.cases:

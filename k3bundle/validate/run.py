@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from k3bundle.bundle.manifest import read_manifest
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
@@ -69,10 +70,13 @@ class Report:
     golden_meta: dict
     seconds: float = 0.0
     exact: str = ""  # the exact check: "ran" or why not (devices.exact_applies)
+    integrity: str = ""  # the bundle's files against its manifest: the level that ran and what it covered
+    integrity_problems: list[str] = field(default_factory=list)  # files that differ: no sign-off
 
     @property
     def passed(self) -> bool:
-        return all(c.status != "fail" for c in self.cases) and any(c.status == "pass" for c in self.cases)
+        return (not self.integrity_problems and all(c.status != "fail" for c in self.cases)
+                and any(c.status == "pass" for c in self.cases))
 
     @property
     def exit_code(self) -> int:
@@ -158,17 +162,41 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
     return _finish(rep, tol)
 
 
+def check_integrity(bundle: Path, level: str, seed: int, reads_weights: bool) -> tuple[str, list[str]]:
+    """The bundle's files against its manifest at ``level``: (the coverage line, problems).
+
+    A bundle whose bytes are not its manifest's cannot be signed off, whatever the numbers say;
+    the cases still run, so a changed weight is also located to its layer. Level ``sample``
+    re-hashes every file the run reads: the weights when the built-in device computes on them,
+    else the metadata and a seeded sample."""
+    from k3bundle.check.verify import verify
+
+    if not (bundle / "manifest.json").is_file():
+        return "not checked: a source checkpoint (no manifest)", []
+    manifest = read_manifest(bundle)
+    reads = [f["path"] for f in manifest["files"] if f["path"].endswith(".safetensors")] if reads_weights else []
+    r = verify(bundle, level=level, seed=seed, reads=reads)
+    if not r.ok:
+        return (f"FAILED at {r.coverage}: {len(r.problems)} problem(s), first: {r.problems[0]} "
+                f"(`k3bundle verify {bundle}` lists them)"), r.problems
+    return r.coverage, []
+
+
 def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
-             progress: Callable[[int, int, str], None] | None = None) -> Report:
+             progress: Callable[[int, int, str], None] | None = None, verify_level: str = "sample",
+             verify_seed: int = 0) -> Report:
     """Judge ``device`` (``validate.sources.open_device``) against the goldens of ``bundle``.
 
     Args:
         bundle (`Path`): the bundle (or checkpoint) whose ``validation/`` holds the goldens.
         device (`Device`): the device under test: in-process, distributed or dumps.
         validation (`Path`, optional): another goldens directory.
+        verify_level (`str`): how the bundle's files are checked against its manifest first
+            (``check.verify.LEVELS``; ``check_integrity``).
     """
     t0 = time.time()
     bundle = Path(bundle)
+    integrity, problems = check_integrity(bundle, verify_level, verify_seed, reads_weights=device.mode != "dumps")
     vdir = Path(validation) if validation else bundle / "validation"
     inputs, inter, meta, tol = load_goldens(vdir)
     listed = meta.get("cases", [])
@@ -185,4 +213,5 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
         cases.append(judge_case(entry["name"], entry["kind"], golden, out, tol))
     if progress:
         progress(len(listed), len(listed), "")
-    return Report(str(bundle), device.mode, device.name, tol, cases, meta, time.time() - t0, device.exact_status)
+    return Report(str(bundle), device.mode, device.name, tol, cases, meta, time.time() - t0, device.exact_status,
+                  integrity, problems)
