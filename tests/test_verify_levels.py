@@ -94,3 +94,19 @@ def test_checklist_says_which_level_ran(bundles, tmp_path):
     assert stage["done"] and "level full: all" in stage["evidence"]
     r = run_cli("checklist", "--target", LAYOUT, "--bundle", str(b), "--verify", "most")
     assert r.returncode == 2 and "--verify most: choose one of full, sample, manifest" in r.stderr
+
+
+def test_verify_source_with_workers_reports_what_one_process_does(bundles, tiny_ckpt, tmp_path):
+    """--workers re-derives source files in parallel: the same checks, the same problems, in the
+    same order; a changed device byte is located by both."""
+    b = _copy(bundles, tmp_path)
+    one, two = verify(b, tiny_ckpt), verify(b, tiny_ckpt, workers=2)
+    assert one.ok and two.ok
+    counts = lambda r: (r.files, r.source_files, r.rederived_files, r.reassembled_tensors,  # noqa: E731
+                        r.value_checked_tensors)
+    assert counts(one) == counts(two)
+    victim = b / _weights(b)[3]
+    _flip_last_byte(victim)
+    one, two = verify(b, tiny_ckpt), verify(b, tiny_ckpt, workers=2)
+    assert not one.ok and one.problems == two.problems and any(_weights(b)[3] in p for p in one.problems)
+    assert not list(tmp_path.glob(".b.verify-*"))  # the scratch directory is gone

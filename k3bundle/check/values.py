@@ -156,7 +156,8 @@ def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requant
         return None
     n = bw.config.text.num_experts
     name = src.schema.name
-    packed = torch.stack([src.get(name(role, layer, e, part="packed")) for e in range(n)])
+    keys = [name(role, layer, e, part="packed") for e in range(n)]  # each name once: the schema's rule
+    packed = torch.stack([src.get(k) for k in keys])
     scale = torch.stack([src.get(name(role, layer, e, part="scale")) for e in range(n)])
     full = mxfp4.dequantize(packed, scale, torch.float32)  # [experts, rows, cols]
     slices = 0
@@ -167,7 +168,7 @@ def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requant
         want = full[a:b, rows, cols]
         allowed = torch.zeros_like(want)
         for e in range(a, b):  # re-quantized NVFP4 blocks (rare): their own bound, as one by one
-            mask = _requantized_mask(requantized, name(role, layer, e, part="packed"), tuple(full.shape[1:]))
+            mask = _requantized_mask(requantized, keys[e], tuple(full.shape[1:])) if requantized else None
             if mask is not None:
                 allowed[e - a] = _allowed(entry["transform"], want[e - a], mask[rows, cols])
         bad = ~((value.to(torch.float32) - want).abs() <= allowed)
@@ -175,7 +176,7 @@ def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requant
         if bool(bad.any()):
             for i in bad.reshape(b - a, -1).any(-1).nonzero().flatten().tolist():
                 at = [int(j) for j in bad[i].nonzero()[0]]
-                key = name(role, layer, a + i, part="packed")
+                key = keys[a + i]
                 fail(f"rank {entry['rank']} {entry['key']} expert {a + i}: read through the declared {conv.name} "
                      f"convention ({entry['storage']}, {conv.semantics}) it is not the source {key}: "
                      f"{int(bad[i].sum())} of {bad[i].numel()} values off, e.g. {float(value[i][tuple(at)]):.6g} "

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import os
 import random
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,11 +192,12 @@ def _check_index(bundle: Path, index: dict, report: VerifyReport) -> None:
 
 def verify(bundle: str | Path, source: str | Path | None = None,
            progress: Callable[[int, int, str], None] | None = None, level: str = "full", seed: int = 0,
-           reads: Iterable[str] = ()) -> VerifyReport:
+           reads: Iterable[str] = (), workers: int = 1) -> VerifyReport:
     """Verify ``bundle`` (see the module docstring); problems are collected, not raised.
 
     ``level`` (``LEVELS``) and ``seed`` choose what step 1 re-hashes; ``reads`` are the manifest
-    paths the caller will read, re-hashed at level ``sample``. ``--source`` needs level full.
+    paths the caller will read, re-hashed at level ``sample``. ``--source`` needs level full;
+    ``workers`` re-derive that many source files at once (forked processes, as convert).
     """
     if level not in LEVELS:
         raise ValueError(f"verification level {level!r}: choose one of {', '.join(LEVELS)}")
@@ -206,7 +210,7 @@ def verify(bundle: str | Path, source: str | Path | None = None,
     index = read_index(bundle / INDEX_NAME)
     _check_index(bundle, index, report)
     if source is not None:
-        _verify_source(bundle, Path(source), manifest, index, actual, report, progress)
+        _verify_source(bundle, Path(source), manifest, index, actual, report, progress, workers)
     return report
 
 
@@ -215,7 +219,7 @@ def verify(bundle: str | Path, source: str | Path | None = None,
 
 
 def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actual: dict[str, str],
-                   report: VerifyReport, progress) -> None:
+                   report: VerifyReport, progress, workers: int = 1) -> None:
     report.source_checked = True
     recorded = {f["path"]: f for f in manifest["source"]["files"]}
     src = SourceCheckpoint(source)
@@ -231,15 +235,12 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
     shard_digests: dict[str, dict] = {}
     try:
         total = len(plan.shards)
-        for n, shard in enumerate(plan.shards):
+        expected = {s: (recorded[s]["sha256"] if s in recorded else None) for s in plan.shards}
+        for n, (shard, r) in enumerate(_rederive(plan, expected, source, scratch, workers)):
             if progress:
                 progress(n, total, shard)
-            want = recorded.get(shard)
-            work = build_unit(plan, shard, want["sha256"] if want else None)
-            try:
-                r = run_unit(work, source, scratch)
-            except K3Error as e:
-                report.fail(f"{shard}: {e}")
+            if isinstance(r, str):
+                report.fail(f"{shard}: {r}")
                 continue
             report.source_files += 1
             shard_digests[shard] = {"sha256": r.sha256, "size": r.size}
@@ -249,7 +250,7 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
                     report.fail(f"{path}: re-derived from {shard} but not in the manifest")
                 elif sha != listed[path]["sha256"] or sha != actual.get(path):
                     report.fail(_first_difference(bundle / path, scratch / path, path, index))
-            shutil.rmtree(scratch / "device_weights", ignore_errors=True)
+                (scratch / path).unlink(missing_ok=True)  # one unit's outputs at a time on disk
         if progress:
             progress(total, total, "")
         for name, f in recorded.items():
@@ -277,6 +278,50 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
     # 6: every re-coded tensor's values, read through the declared convention
     report.value_checked_tensors, report.value_checked_slices = check_values(bundle, src, index, manifest,
                                                                              report.fail)
+
+
+_PLAN = None  # the plan, inherited by forked re-derivation workers
+
+
+def _rederive_one(shard: str, expected: str | None, source: Path, scratch: Path):
+    try:
+        return run_unit(build_unit(_PLAN, shard, expected), source, scratch)
+    except K3Error as e:
+        return str(e)
+
+
+def _init_worker(plan) -> None:
+    import torch
+
+    global _PLAN
+    _PLAN = plan
+    torch.set_num_threads(1)
+
+
+def _rederive(plan, expected: dict[str, str | None], source: Path, scratch: Path, workers: int):
+    """(shard, UnitResult or error text) for every source file, in plan order; with ``workers`` > 1
+    in forked processes, at most 2 x workers units ahead (their outputs wait in ``scratch``)."""
+    global _PLAN
+    _PLAN = plan
+    if workers <= 1:
+        for shard in plan.shards:
+            yield shard, _rederive_one(shard, expected[shard], source, scratch)
+        return
+    ctx = multiprocessing.get_context("fork")  # as convert: the plan is inherited, torch not re-imported
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(plan,)) as pool:
+        ahead: deque = deque()
+        todo = iter(plan.shards)
+        while True:
+            while len(ahead) < 2 * workers:
+                shard = next(todo, None)
+                if shard is None:
+                    break
+                ahead.append((shard, pool.submit(_rederive_one, shard, expected[shard], source, scratch)))
+            if not ahead:
+                return
+            shard, fut = ahead.popleft()
+            yield shard, fut.result()
 
 
 def _same(report: VerifyReport, path: str, sha: str, actual: dict[str, str]) -> None:

@@ -13,12 +13,14 @@ from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
 EXAMPLES = [
     "k3bundle verify /bundles/k3-b300",
     "k3bundle verify /bundles/k3-b300 --source /ckpt/Kimi-K3 --json",
+    "k3bundle verify /bundles/k3-b300 --source /ckpt/Kimi-K3 --workers 8",
 ]
 
 
 def verify(
     bundle: Annotated[Path, typer.Argument(help="A bundle directory (written by k3bundle convert).")],
     source: Annotated[Path | None, typer.Option("--source", help="The source checkpoint: re-derive every rank file and reassemble every pass-through tensor.")] = None,
+    workers: Annotated[int, typer.Option("--workers", help="With --source: source files re-derived at once (worker processes, as convert).")] = 1,
     json_: JsonOpt = False,
 ) -> None:
     """Check every bundle file against the manifest; with --source, prove the bundle is what the source gives.
@@ -27,7 +29,9 @@ def verify(
     """
     o = Output(json_)
     with progress_bar("verify", enabled=not json_ and source is not None) as update:
-        r = run_verify(bundle, source, progress=update)
+        if workers < 1:
+            raise typer.BadParameter(f"--workers must be at least 1, got {workers}")
+        r = run_verify(bundle, source, progress=update, workers=workers)
     lines = [f"{bundle}: {'OK' if r.ok else 'FAILED'} — {r.files} files ({r.bytes:,} bytes) match the manifest"
              if r.ok else f"{bundle}: FAILED — {len(r.problems)} problem(s) in {r.files} files checked"]
     if r.source_checked:
