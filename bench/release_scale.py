@@ -222,10 +222,10 @@ def resume_after_kill(ckpt: Path, work: Path, layout: str, after_units: int = 40
 
 def _sampled_bytes(bundle: Path, seed: int = 0) -> int:
     """Bytes ``--verify sample`` re-hashes in a command that reads no weights (its own rule)."""
-    from k3bundle.check.verify import _to_hash
+    from k3bundle.check.verify import hashed_paths
 
     manifest = json.loads((bundle / "manifest.json").read_text())
-    picked = _to_hash(manifest, "sample", seed, ())
+    picked = hashed_paths(manifest, "sample", seed, ())
     return sum(f["size"] for f in manifest["files"] if f["path"] in picked)
 
 

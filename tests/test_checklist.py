@@ -302,10 +302,10 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
 
     # a flipped byte in a device file un-ticks the conversion (and so the sign-off): at the default
     # level (sample) when the file is one it re-hashes, at level full wherever it is
-    from k3bundle.check.verify import _to_hash
+    from k3bundle.check.verify import hashed_paths
 
     manifest = json.loads((b / "manifest.json").read_text())
-    sampled = _to_hash(manifest, "sample", 0, ())
+    sampled = hashed_paths(manifest, "sample", 0, ())
     weights = sorted(f["path"] for f in manifest["files"] if f["path"].endswith(".safetensors"))
     inside, outside = (next(p for p in weights if (p in sampled) == want) for want in (True, False))
     for path in (inside, outside):

@@ -74,12 +74,14 @@ def bundle_convention(manifest: dict, where: str | Path) -> str:
     return name
 
 
-def _unpad(t: torch.Tensor, src: dict) -> torch.Tensor:
+def _unpad(t: torch.Tensor, src: dict, stacked: bool = False) -> torch.Tensor:
+    """A device slice without its padding rows and columns (``stacked``: of each expert of a stack)."""
+    rows = 1 if stacked else 0
     r0, r1 = src["rows"]
-    t = t[: r1 - r0] if src.get("pad_rows") else t
+    t = t.narrow(rows, 0, r1 - r0) if src.get("pad_rows") else t
     if src.get("pad_cols") and src.get("cols") is not None:
         c0, c1 = src["cols"]
-        t = t[:, : c1 - c0]
+        t = t.narrow(rows + 1, 0, c1 - c0)
     return t
 
 
@@ -168,11 +170,8 @@ class BundleWeights(WeightSource):
             value = fmt.decode_stack({p: self.files.get(e) for p, e in parts.items()},
                                      torch.float64 if self.policy.weight == torch.float64 else torch.float32)
             src = first["source"]
-            r0, r1 = src["rows"]
-            value = value[:, : r1 - r0] if src.get("pad_rows") else value
-            if src.get("pad_cols") and src.get("cols") is not None:
-                value = value[:, :, : src["cols"][1] - src["cols"][0]]
-            out.append((parts.get("packed") or parts.get("weight") or first, tuple(src["experts"]), value))
+            out.append((parts.get("packed") or parts.get("weight") or first, tuple(src["experts"]),
+                        _unpad(value, src, stacked=True)))
         return out
 
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:

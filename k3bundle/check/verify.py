@@ -53,7 +53,7 @@ from k3bundle.check.trace import source_key
 from k3bundle.check.values import check_values
 from k3bundle.convert.journal import JOURNAL
 from k3bundle.convert.manifest import convention_file
-from k3bundle.convert.run import LAYOUT_PATH
+from k3bundle.convert.run import LAYOUT_PATH, convert_shard, worker_init
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
@@ -100,11 +100,12 @@ class VerifyReport:
         """One line: which level ran and what it covered."""
         if self.level == "full":
             return f"level full: all {self.files} files ({self.bytes:,} bytes) re-hashed"
-        size_only = self.files - self.hashed_files
-        how = (f"{self.hashed_files} re-hashed ({self.hashed_bytes:,} bytes: every file read here, the metadata "
-               f"and a random sample, seed {self.seed}), {size_only} checked for presence and size only")
         if self.level == "manifest":
             how = f"{self.files} checked for presence and size only (nothing re-hashed)"
+        else:
+            how = (f"{self.hashed_files} re-hashed ({self.hashed_bytes:,} bytes: every file read here, the "
+                   f"metadata and a random sample, seed {self.seed}), {self.files - self.hashed_files} checked "
+                   "for presence and size only")
         return f"level {self.level}: of {self.files} files ({self.bytes:,} bytes) {how}"
 
     @property
@@ -118,7 +119,7 @@ class VerifyReport:
             self.problems.append("... more problems not shown")
 
 
-def _to_hash(manifest: dict, level: str, seed: int, reads: Iterable[str]) -> set[str] | None:
+def hashed_paths(manifest: dict, level: str, seed: int, reads: Iterable[str]) -> set[str] | None:
     """The manifest paths re-hashed at ``level`` (None: every one)."""
     if level == "full":
         return None
@@ -206,7 +207,7 @@ def verify(bundle: str | Path, source: str | Path | None = None,
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     report = VerifyReport(str(bundle), level=level, seed=seed)
-    actual = _listed_files(bundle, manifest, report, _to_hash(manifest, level, seed, reads))
+    actual = _listed_files(bundle, manifest, report, hashed_paths(manifest, level, seed, reads))
     index = read_index(bundle / INDEX_NAME)
     _check_index(bundle, index, report)
     if source is not None:
@@ -280,35 +281,18 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
                                                                              report.fail)
 
 
-_PLAN = None  # the plan, inherited by forked re-derivation workers
-
-
-def _rederive_one(shard: str, expected: str | None, source: Path, scratch: Path):
-    try:
-        return run_unit(build_unit(_PLAN, shard, expected), source, scratch)
-    except K3Error as e:
-        return str(e)
-
-
-def _init_worker(plan) -> None:
-    import torch
-
-    global _PLAN
-    _PLAN = plan
-    torch.set_num_threads(1)
-
-
 def _rederive(plan, expected: dict[str, str | None], source: Path, scratch: Path, workers: int):
     """(shard, UnitResult or error text) for every source file, in plan order; with ``workers`` > 1
-    in forked processes, at most 2 x workers units ahead (their outputs wait in ``scratch``)."""
-    global _PLAN
-    _PLAN = plan
+    in convert's forked workers, at most 2 x workers units ahead (their outputs wait in ``scratch``)."""
     if workers <= 1:
         for shard in plan.shards:
-            yield shard, _rederive_one(shard, expected[shard], source, scratch)
+            try:
+                yield shard, run_unit(build_unit(plan, shard, expected[shard]), source, scratch)
+            except K3Error as e:
+                yield shard, str(e)
         return
     ctx = multiprocessing.get_context("fork")  # as convert: the plan is inherited, torch not re-imported
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=worker_init,
                              initargs=(plan,)) as pool:
         ahead: deque = deque()
         todo = iter(plan.shards)
@@ -317,11 +301,14 @@ def _rederive(plan, expected: dict[str, str | None], source: Path, scratch: Path
                 shard = next(todo, None)
                 if shard is None:
                     break
-                ahead.append((shard, pool.submit(_rederive_one, shard, expected[shard], source, scratch)))
+                ahead.append((shard, pool.submit(convert_shard, shard, expected[shard], source, scratch)))
             if not ahead:
                 return
             shard, fut = ahead.popleft()
-            yield shard, fut.result()
+            try:
+                yield shard, fut.result()
+            except K3Error as e:
+                yield shard, str(e)
 
 
 def _same(report: VerifyReport, path: str, sha: str, actual: dict[str, str]) -> None:

@@ -27,10 +27,10 @@ def verify(
 
     Exits 0 when everything holds, 1 when something does not (each problem is listed).
     """
+    if workers < 1:
+        raise typer.BadParameter(f"--workers must be at least 1, got {workers}")
     o = Output(json_)
     with progress_bar("verify", enabled=not json_ and source is not None) as update:
-        if workers < 1:
-            raise typer.BadParameter(f"--workers must be at least 1, got {workers}")
         r = run_verify(bundle, source, progress=update, workers=workers)
     lines = [f"{bundle}: {'OK' if r.ok else 'FAILED'} — {r.files} files ({r.bytes:,} bytes) match the manifest"
              if r.ok else f"{bundle}: FAILED — {len(r.problems)} problem(s) in {r.files} files checked"]

@@ -220,7 +220,7 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _worker_init(plan: Plan) -> None:
+def worker_init(plan: Plan) -> None:
     import torch
 
     global _PLAN
@@ -229,7 +229,7 @@ def _worker_init(plan: Plan) -> None:
     torch.set_num_threads(1)  # an OpenMP pool inherited through fork must never be entered
 
 
-def _convert_shard(shard: str, expected: str | None, source: Path, out: Path) -> UnitResult:
+def convert_shard(shard: str, expected: str | None, source: Path, out: Path) -> UnitResult:
     """Worker task: plan this source file's unit here (in parallel), then convert it."""
     return run_unit(build_unit(_PLAN, shard, expected), source, out)
 
@@ -247,7 +247,7 @@ def _run_units(plan: Plan, shards: list[str], files: SourceFiles, source: Path, 
     ctx = multiprocessing.get_context("fork")
     pending = set()
     todo = iter(shards)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=worker_init,
                              initargs=(plan,)) as pool:
         try:
             while True:
@@ -255,7 +255,7 @@ def _run_units(plan: Plan, shards: list[str], files: SourceFiles, source: Path, 
                     shard = next(todo, None)
                     if shard is None:
                         break
-                    pending.add(pool.submit(_convert_shard, shard, files.expected_sha256(shard), source, out))
+                    pending.add(pool.submit(convert_shard, shard, files.expected_sha256(shard), source, out))
                 if not pending:
                     break
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)

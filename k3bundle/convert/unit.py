@@ -166,7 +166,7 @@ class _Writer:
         self.whole: dict[int, dict[str, np.ndarray]] = {}  # group id -> source parts read so far
         self.stacks: dict[tuple, list] = {}  # (format, part shapes) -> complete groups to encode together
         self.stacked_bytes = 0
-        self.done: list[Group] = []  # complete whole-tensor groups, in file order
+        self.completed = 0  # whole-tensor groups complete so far: a group's rank in file order
         self.requantized: list[tuple[int, dict]] = []  # (file-order rank of the group, entry)
 
     def put(self, sink: Sink, part: str, rel: int, data: np.ndarray) -> None:
@@ -225,8 +225,8 @@ class _Writer:
             return
         del self.whole[id(group)]
         key = (id(group.storage), tuple(sorted((k, v.shape) for k, v in have.items())))
-        self.stacks.setdefault(key, []).append((len(self.done), group, have))
-        self.done.append(group)
+        self.stacks.setdefault(key, []).append((self.completed, group, have))
+        self.completed += 1
         self.stacked_bytes += sum(v.nbytes for v in have.values())
         if self.stacked_bytes >= STACK_BYTES:
             self.flush()

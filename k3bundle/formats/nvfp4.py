@@ -194,7 +194,7 @@ def from_mxfp4_stack(
     """``from_mxfp4`` of each tensor of a stack [T, ...] at once: its own global scale each.
 
     The same function as calling ``from_mxfp4`` on every ``packed[t], scales_e8m0[t]``
-    (tests/test_nvfp4.py checks byte equality), with one pass of tensor operations for the
+    (tests/test_formats_nvfp4.py checks byte equality), with one pass of tensor operations for the
     whole stack instead of one per tensor: at the release's 82,432 expert tensors of a few KB
     each (the ``full-depth`` scale test), per-call overhead, not bytes, is the cost. Tensors
     with a block to re-quantize (rare: an exponent more than 17 below the tensor's largest)

@@ -52,11 +52,8 @@ class NVFP4(StorageFormat):
         """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32
         (the dequant multiplier as the convention stores it), and the re-quantized 32-blocks as
         ``[row, block]`` pairs (empty when lossless)."""
-        p16, s16, g, bad = nvfp4.from_mxfp4(torch.from_numpy(np.ascontiguousarray(parts["packed"])),
-                                            torch.from_numpy(np.ascontiguousarray(parts["scale"])))
-        blocks = [[int(r), int(b)] for r, b in bad.nonzero().tolist()] if bool(bad.any()) else []
-        return {"packed": p16.numpy(), "scale": s16.numpy(),
-                "global_scale": u8(self.convention.store_global(g.reshape(1)))}, blocks
+        out, blocks = self.encode_stack([parts])
+        return {k: v[0] for k, v in out.items()}, blocks[0]
 
     def encode_stack(self, stack):
         """``encode_tensor`` of T same-shaped pairs in one ``nvfp4.from_mxfp4_stack`` pass."""
