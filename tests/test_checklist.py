@@ -349,3 +349,36 @@ def test_cli_json_and_exit_codes(tmp_path):
     assert "the weights alone do not fit" in (tmp_path / "c.md").read_text()
     with pytest.raises(ChecklistError, match=r"--context \(0\) and --batch \(1\) must be positive"):
         make_checklist("b300-tp8", context=0)  # the CLI prints it as "error: ..." and exits 2
+
+
+def test_a_kernels_report_ticks_the_ops_it_covered(tiny_bundle, tmp_path):
+    """reports/kernels.json (written by `k3bundle kernels`) ticks covered ops that pass, marks a
+    planted bug's op failed, leaves every other op open, and ticks nothing for another layout."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    small = ("--tokens", "70", "--batch", "2", "--context", "40", "--reps", "1")
+    r = run_cli("kernels", "--target", "b300-tp8", "--backend", "torch", "--out", str(bundle / "reports"), *small)
+    assert r.returncode == 0, r.stderr
+    cl = make_checklist("b300-tp8", bundle=bundle)
+    st = {op: s for op, (s, _) in cl.op_conformance.items()}
+    assert st["gated_mla_prefill"] == st["gated_mla_decode_latent_cache"] == "pass"
+    assert st["kda_chunked_prefill"] == st["sigmoid_biased_topk_router"] == "open"
+    assert "backend torch on cpu" in cl.op_conformance["gated_mla_prefill"][1]
+    md = to_markdown(cl)
+    assert "| `gated_mla_prefill` | 3 | [x] backend torch on cpu" in md  # tiny: MLA layers 3, 7, 8
+    assert json.loads(json.dumps(cl.to_dict()))["kernels"][0]["op_conformance"] in ("pass", "open")
+
+    r = run_cli("kernels", "--target", "b300-tp8", "--backend", "planted:mla_scale_128", "--ops", "gated_mla_prefill",
+                "--out", str(bundle / "reports"), *small)
+    assert r.returncode == 1, r.stderr
+    cl = make_checklist("b300-tp8", bundle=bundle)
+    status, evidence = cl.op_conformance["gated_mla_prefill"]
+    assert status == "fail" and "case random fails" in evidence
+    assert "[ ] **FAIL** backend planted:mla_scale_128" in to_markdown(cl)
+
+    doc = json.loads((bundle / "reports" / "kernels.json").read_text())
+    doc["target"] = "h200-tp16-ep16"
+    (bundle / "reports" / "kernels.json").write_text(json.dumps(doc))
+    cl = make_checklist("b300-tp8", bundle=bundle)
+    assert {s for s, _ in cl.op_conformance.values()} == {"open"}
+    assert "made for layout 'h200-tp16-ep16', not 'b300-tp8'" in cl.op_conformance["gated_mla_prefill"][1]

@@ -275,3 +275,33 @@ def test_differing_replica_is_refused_in_merged_mode(work, tmp_path):
     r, _ = _validate(b)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rank 1's replica of" in r.stderr and "layers.1.input_layernorm.weight" in r.stderr
+
+
+@pytest.mark.parametrize("backend,ranks", [("torch", "merged"), ("fla", "distributed")])
+def test_bundle_passes_on_the_shipped_kernel_backends(work, tmp_path, backend, ranks):
+    r, data = _validate(work["tiny-ep2"], "--backend", backend, "--ranks", ranks, "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"backend {backend}" in r.stdout or f"backend {backend}" in json.dumps(data)
+
+
+def _kernel_bug_layer(bug: str):
+    """Where each planted kernel bug must be located: a layer of the kind that calls the op."""
+    return {"kda_state_transposed": "kda", "gate_no_lower_bound": "kda", "beta_no_sigmoid": "kda",
+            "mla_scale_128": "mla", "router_bias_in_weights": "moe", "mxfp4_nvfp4_scale_stride": "moe"}[bug]
+
+
+@pytest.mark.parametrize("bug", ["kda_state_transposed", "gate_no_lower_bound", "beta_no_sigmoid",
+                                 "mla_scale_128", "router_bias_in_weights", "mxfp4_nvfp4_scale_stride"])
+def test_planted_kernel_bug_is_located_to_a_layer_of_its_op(work, tmp_path, bug):
+    from k3bundle.config import load_config
+
+    r, data = _validate(work["tiny-ep2"], "--backend", f"planted:{bug}", "--out", str(tmp_path))
+    assert r.returncode == 1, r.stderr[-2000:]
+    layer, tap = _first(data)
+    text = load_config(work["tiny-ep2"] / "config.json").text
+    kind = _kernel_bug_layer(bug)
+    assert layer is not None and {"kda": not text.is_mla(layer), "mla": text.is_mla(layer),
+                                  "moe": text.is_moe(layer)}[kind], (layer, tap)
+    want = {"kda": ("mixer_out", "kda_state"), "mla": ("mixer_out", "mla_latent"),
+            "moe": ("ffn_out", "router_weights", "router_ids")}[kind]
+    assert tap.endswith(want), tap

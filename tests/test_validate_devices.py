@@ -117,3 +117,47 @@ def test_margin_noise_follows_the_input_precision():
     moved = (d[:, 0] - d[:, 1]).pow(2).mean().sqrt()
     ratio = float(moved / bf16.pow(2).mean().sqrt())
     assert 0.5 < ratio < 1.0, ratio  # conservative (measured 0.72), never far off
+
+
+# ---- resident weights: a teacher-forced run asks for each layer again at every decode step ----
+
+def test_resident_bundle_weights_read_each_tensor_once_and_equal_fresh_reads(tiny_ckpt, tmp_path_factory,
+                                                                              monkeypatch):
+    from tests._bundles import bundle_for
+    from k3bundle.bundle import weights as bw_mod
+
+    bundle = bundle_for("h200-tp16-ep16", tiny_ckpt, tmp_path_factory)
+    reads = []
+    real_get = bw_mod._Files.get
+    monkeypatch.setattr(bw_mod._Files, "get", lambda self, e, x=None: reads.append(e["key"]) or real_get(self, e, x))
+    fresh = bw_mod.BundleWeights(bundle, dtype="float32")
+    kept = bw_mod.BundleWeights(bundle, dtype="float32", resident_bytes=1 << 40)
+    moe = next(i for i in range(kept.config.text.num_hidden_layers) if kept.config.text.is_moe(i))
+    for w in (fresh, kept):
+        for _ in range(2):
+            reads.clear()
+            W = w.layer(moe)
+            for e in range(3):
+                W.expert(e)
+            w.reads = getattr(w, "reads", []) + [len(reads)]
+    assert fresh.reads[0] > 0 and fresh.reads[1] == fresh.reads[0]  # no budget: every request reads again
+    assert kept.reads[0] == fresh.reads[0] and kept.reads[1] == 0  # resident: the second request reads nothing
+    assert kept.expert_reads == 3 and 0 < kept.kept_bytes
+    a, b = fresh.layer(moe), kept.layer(moe)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a.expert(2)["moe.expert.w2"], b.expert(2)["moe.expert.w2"])
+
+
+def test_resident_budget_is_never_exceeded(tiny_ckpt, tmp_path_factory):
+    from tests._bundles import bundle_for
+    from k3bundle.bundle.weights import BundleWeights
+
+    bundle = bundle_for("h200-tp16-ep16", tiny_ckpt, tmp_path_factory)
+    full = BundleWeights(bundle, dtype="float32", resident_bytes=1 << 40)
+    for layer in range(full.config.text.num_hidden_layers):
+        full.layer(layer)
+    budget = full.kept_bytes // 3
+    part = BundleWeights(bundle, dtype="float32", resident_bytes=budget)
+    for layer in range(part.config.text.num_hidden_layers):
+        part.layer(layer)
+    assert 0 < part.kept_bytes <= budget < full.kept_bytes

@@ -30,10 +30,13 @@ from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import read_index
 from k3bundle.config import load_config
 from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy
+from k3bundle.formats import mxfp4
+from k3bundle.ops.expert_weight import ExpertWeight
 from k3bundle.io import SafetensorsFile
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
 from k3bundle.storage import CONVENTIONS, STORAGE, StorageFormat
+from k3bundle.storage.base import row_major_scale
 
 
 class _Files:
@@ -94,10 +97,15 @@ class BundleWeights(WeightSource):
         device (`str`): torch device.
         rank (`int`, optional): read only this rank's tensors (one process per rank).
         group: the torch.distributed process group for ``reduce``/``gather_vocab`` (per-rank mode).
+        resident_bytes (`int`): keep decoded tensors and experts after first use, up to this many
+            bytes on ``device`` (``executor.weights.resident_budget``). A teacher-forced run asks for
+            every layer at the prompt and again at each decode step; at the release widths one
+            layer takes seconds to read, merge and decode, so ``validate`` keeps what fits. 0: read
+            every request afresh (the real model merged does not fit anywhere).
     """
 
     def __init__(self, bundle: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
-                 rank: int | None = None, group=None):
+                 rank: int | None = None, group=None, resident_bytes: int = 0):
         self.root = Path(bundle)
         if not (self.root / "manifest.json").is_file():
             raise BundleError(f"{self.root}: no manifest.json; the bundle is incomplete (convert did not finish)")
@@ -124,14 +132,27 @@ class BundleWeights(WeightSource):
         self.files = _Files(self.root)
         self._experts: dict[int, OrderedDict] = {}
         self.expert_reads = 0
+        self.resident_bytes = int(resident_bytes)
+        self._kept: dict[tuple, object] = {}  # (role, layer) or ("expert", layer, e) -> decoded, on device
+        self.kept_bytes = 0
+
+    def _keep(self, key: tuple, make, nbytes: int | None = None):
+        """``make()``, kept for the next request while the resident budget allows."""
+        if key in self._kept:
+            return self._kept[key]
+        value = make()
+        size = nbytes if nbytes is not None else (value.numel() * value.element_size() if value is not None else 0)
+        if self.kept_bytes + size <= self.resident_bytes:
+            self._kept[key] = value
+            self.kept_bytes += size
+        return value
 
     # ---- decoding ----
     def _dtype(self, role: str) -> torch.dtype:
         return self.policy.f32 if ROLE_BY_NAME[role].fmt is Format.F32 else self.policy.weight
 
-    def slices(self, role: str, layer: int | None, expert: int | None = None) -> list[tuple[dict, torch.Tensor]]:
-        """[(index entry of the slice's first part, decoded local tensor without padding)] for every
-        rank holding a slice of the role instance; read through the bundle's declared convention."""
+    def _parts_by_rank(self, role: str, layer: int | None, expert: int | None) -> dict[int, dict[str, dict]]:
+        """{rank: {part: index entry}} of the slices holding the role instance (one expert's)."""
         by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
         for e in self.entries.get((role, layer), []):
             src = e["source"]
@@ -143,6 +164,12 @@ class BundleWeights(WeightSource):
                 elif f".experts.{expert}." not in src.get("key", "") + ".":
                     continue
             by_rank[e["rank"]][e["part"]] = e
+        return by_rank
+
+    def slices(self, role: str, layer: int | None, expert: int | None = None) -> list[tuple[dict, torch.Tensor]]:
+        """[(index entry of the slice's first part, decoded local tensor without padding)] for every
+        rank holding a slice of the role instance; read through the bundle's declared convention."""
+        by_rank = self._parts_by_rank(role, layer, expert)
         out = []
         for r in sorted(by_rank):
             parts = by_rank[r]
@@ -152,6 +179,30 @@ class BundleWeights(WeightSource):
             value = fmt.decode(tensors, torch.float64 if self.policy.weight == torch.float64 else torch.float32)
             out.append((parts.get("packed") or parts.get("weight") or first, _unpad(value, first["source"])))
         return out
+
+    def mxfp4_expert(self, role: str, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One expert's projection as stored MXFP4 (codes [rows, cols/2], row-major E8M0 scales
+        [rows, cols/32], padding removed), where one slice holds all of it here: EP layouts merged,
+        any layout per rank. None otherwise (other formats, an expert split over merged ranks)."""
+        by_rank = self._parts_by_rank(role, layer, expert)
+        if len(by_rank) != 1:
+            return None
+        parts = next(iter(by_rank.values()))
+        if set(parts) != {"packed", "scale"} or read_format(parts["packed"], self.convention).name != "mxfp4":
+            return None
+        src = parts["packed"]["source"]
+        whole = list(src["rows"]) == [0, src["logical_shape"][0]] and \
+            list(src.get("cols") or [0, src["logical_shape"][1]]) == [0, src["logical_shape"][1]]
+        if self.rank is None and not whole:  # merged: a TP-split expert is assembled from several slices
+            return None
+        packed = self.files.get(parts["packed"], expert)
+        rows_p, cols_p = packed.shape[-2], packed.shape[-1] * 2
+        scale = row_major_scale(self.files.get(parts["scale"], expert), rows_p, cols_p // mxfp4.BLOCK)
+        r0, r1 = src["rows"]
+        rows = r1 - r0 if src.get("pad_rows") else rows_p
+        cols = (src["cols"][1] - src["cols"][0]) if src.get("pad_cols") and src.get("cols") is not None else cols_p
+        return (packed[:rows, :cols // 2].contiguous().to(self.device),
+                scale.view(torch.uint8)[:rows, :cols // mxfp4.BLOCK].contiguous().to(self.device))
 
     def expert_stacks(self, role: str, layer: int) -> list[tuple[dict, tuple[int, int], torch.Tensor]] | None:
         """Every rank's stacked experts of a routed-expert role instance, each decoded at once:
@@ -208,26 +259,41 @@ class BundleWeights(WeightSource):
     # ---- WeightSource ----
     def layer(self, layer: int, decode: bool = False) -> LayerWeights:
         roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
-        tensors = {role: self._tensor(role, layer) for role in roles}
+        tensors = {role: self._keep((role, layer), lambda r=role: self._tensor(r, layer)) for role in roles}
         tensors = {k: v for k, v in tensors.items() if v is not None}
         if not self.config.text.is_moe(layer):
             return LayerWeights(layer, tensors, reduce=self.reduce)
         cache = self._experts.setdefault(layer, OrderedDict())
+        t = self.config.text
+        expert_bytes = 3 * t.moe_intermediate_size * t.routed_expert_hidden_size * \
+            torch.empty(0, dtype=self.policy.weight).element_size()  # decoded; the codes are less
 
         def expert(e: int):
+            if ("expert", layer, e) in self._kept:
+                return self._kept[("expert", layer, e)]
             if e in cache:
                 return cache[e]
-            parts = {role: self._tensor(role, layer, e) for role in EXPERT_ROLES}
-            if any(v is None for v in parts.values()):
-                return None  # owned by another expert-parallel rank
+            if self.rank is not None and any(not self._parts_by_rank(role, layer, e) for role in EXPERT_ROLES):
+                return None  # owned by another expert-parallel rank (merged: a missing expert is an error, on use)
+            parts = {role: ExpertWeight(lambda r=role: self._tensor(r, layer, e),
+                                        lambda r=role: self.mxfp4_expert(r, layer, e)) for role in EXPERT_ROLES}
             self.expert_reads += 1
-            if decode:
+            if self.kept_bytes + expert_bytes <= self.resident_bytes:
+                self._kept[("expert", layer, e)] = parts
+                self.kept_bytes += expert_bytes
+            elif decode:
                 cache[e] = parts
                 while len(cache) > self.config.text.num_experts_per_token:
                     cache.popitem(last=False)
             return parts
 
-        return LayerWeights(layer, tensors, expert, reduce=self.reduce)
+        return LayerWeights(layer, tensors, expert, reduce=self.reduce, expert_op=self._expert_op(layer))
+
+    def _expert_op(self, layer: int) -> str:
+        """The grouped GEMM op of this layer's expert storage (graph_manifest custom_ops)."""
+        entries = self.entries.get(("moe.expert.w1", layer))
+        fmt = read_format(entries[0], self.convention) if entries else STORAGE["mxfp4"]
+        return (fmt.gemm_op or "bf16_gemm") + "_grouped"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self._embed_rows()
@@ -245,7 +311,7 @@ class BundleWeights(WeightSource):
         return self._embed
 
     def global_tensor(self, role: str) -> torch.Tensor:
-        return self._tensor(role, None)
+        return self._keep((role, None), lambda: self._tensor(role, None))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
@@ -12,6 +12,7 @@ from k3bundle.checklist.capacity import Capacity, capacity
 from k3bundle.checklist.errors import ChecklistError
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.kernels import Kernel, kernel_coverage
+from k3bundle.checklist.op_reports import op_status, read_kernel_report
 from k3bundle.checklist.roofline import Roofline, roofline
 from k3bundle.checklist.stages import Stage, evaluate_stages
 from k3bundle.config import load_config, release_config_path
@@ -36,6 +37,7 @@ class Checklist:
     roofline: Roofline
     kernels: list[Kernel]
     stages: list[Stage]
+    op_conformance: dict[str, tuple[str, str]] = field(default_factory=dict)  # reports/kernels.json
 
     @property
     def passed(self) -> bool:
@@ -52,6 +54,10 @@ class Checklist:
                 f"TPOT ≥ {d.bound.text}, TTFT ≥ {self.roofline.prefill.bound.text} at batch {self.batch} × "
                 f"{self.context:,} tokens; {self.ticked} of {len(self.stages)} stages ticked")
 
+    def _op_conformance(self, op: str) -> dict:
+        status, evidence = self.op_conformance.get(op, ("open", "no bundle given (--bundle)"))
+        return {"op_conformance": status, "op_conformance_evidence": evidence}
+
     def to_dict(self) -> dict:
         lay = self.plan.layout
         c, p = lay.card, lay.parallel
@@ -65,7 +71,7 @@ class Checklist:
                          "pp_layers": list(self.plan.stage_layers)},
             "passed": self.passed, "summary": self.summary(),
             "capacity": self.capacity.to_dict(), "roofline": self.roofline.to_dict(),
-            "kernels": [k.to_dict() for k in self.kernels],
+            "kernels": [k.to_dict() | self._op_conformance(k.op) for k in self.kernels],
             "fault_paths": [f.to_dict() for f in FAULT_PATHS],
             "soak": [{"key": k, "requirement": r} for k, r in SOAK_REQUIREMENTS],
             "stages": [s.to_dict() for s in self.stages],
@@ -142,5 +148,9 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
 
     stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify_bundle)
     model = str(cfg_path) if config is not None or bdir is not None else f"released Kimi K3 config ({cfg_path.name})"
+    kernels = kernel_coverage(plan, manifest)
+    report, why = read_kernel_report(bdir, layout.name) if bdir is not None else (None, "no bundle given (--bundle)")
+    if report is None and bdir is not None:
+        why += f"; run `k3bundle kernels --target {layout.name} --backend B --out {bdir}/reports`"
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
-                     kernel_coverage(plan, manifest), stages)
+                     kernels, stages, op_status([k.op for k in kernels], report, why))

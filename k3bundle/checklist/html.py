@@ -74,10 +74,13 @@ def _kernels(cl: Checklist) -> str:
     if signoff is None and cl.bundle:
         why += f"; run `k3bundle validate {cl.bundle}`"
     status = {c.op: c for c in kernel_conformance([k.op for k in cl.kernels], signoff, cl.plan.config.text, why)}
+    ops = {k.op: cl.op_conformance.get(k.op, ("open", "")) for k in cl.kernels}
     rows = [[f"<code>{esc(k.op)}</code>", str(k.layers or "–"), badge(status[k.op].status),
-             esc(status[k.op].detail), esc(k.shapes), esc(k.spec)] for k in cl.kernels]
-    return table(["op", "layers", "conformance", "evidence", "shapes per rank", "spec"], rows, cls="sortable",
-                 num=(1,), row_cls=["bad" if status[k.op].status == "fail" else "" for k in cl.kernels])
+             esc(status[k.op].detail), badge(ops[k.op][0]), esc(ops[k.op][1]), esc(k.shapes), esc(k.spec)]
+            for k in cl.kernels]
+    return table(["op", "layers", "in the model", "evidence", "op conformance", "evidence (k3bundle kernels)",
+                  "shapes per rank", "spec"], rows, cls="sortable",
+                 num=(1,), row_cls=["bad" if "fail" in (status[k.op].status, ops[k.op][0]) else "" for k in cl.kernels])
 
 
 def _stages(cl: Checklist) -> str:

@@ -94,9 +94,13 @@ def to_markdown(cl: Checklist) -> str:
     lines += _phase(roof.prefill, "Prefill (to the first token)")
     lines += ["## 3. Kernel coverage", "",
               "Primitives the target must implement (`graph_manifest.json` custom_ops), shapes per rank at this layout "
-              "(T tokens in a step, B requests, S cached tokens).", "",
-              "| op | decoder layers | shapes per rank | spec |", "|---|---|---|---|"]
-    lines += [f"| `{k.op}` | {k.layers or '–'} | {_cell(k.shapes)} | {_cell(k.spec)} |" for k in cl.kernels]
+              "(T tokens in a step, B requests, S cached tokens). Op conformance: `reports/kernels.json` "
+              "(`k3bundle kernels --out BUNDLE/reports`) ticks the ops it covered and passed.", "",
+              "| op | decoder layers | op conformance | shapes per rank | spec |", "|---|---|---|---|---|"]
+    for k in cl.kernels:
+        st, ev = cl.op_conformance.get(k.op, ("open", ""))
+        mark = {"pass": "[x]", "fail": "[ ] **FAIL**"}.get(st, "[ ]")
+        lines.append(f"| `{k.op}` | {k.layers or '–'} | {mark} {_cell(ev)} | {_cell(k.shapes)} | {_cell(k.spec)} |")
     by_key = {s.key: s for s in cl.stages}
     fstage, sstage = by_key["fault_paths"], by_key["soak"]
     lines += ["", "## 4. Fault paths and soak", "",

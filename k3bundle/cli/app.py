@@ -22,6 +22,7 @@ from k3bundle.cli import convert as convert_cmd
 from k3bundle.cli import verify as verify_cmd
 from k3bundle.cli import trace as trace_cmd
 from k3bundle.cli import checklist as checklist_cmd
+from k3bundle.cli import kernels as kernels_cmd
 from k3bundle.cli import report as report_cmd
 from k3bundle.errors import K3Error
 
@@ -48,6 +49,7 @@ app.command("convert", epilog=_epilog(convert_cmd.EXAMPLES))(convert_cmd.convert
 app.command("verify", epilog=_epilog(verify_cmd.EXAMPLES))(verify_cmd.verify)
 app.command("trace", epilog=_epilog(trace_cmd.EXAMPLES))(trace_cmd.trace)
 app.command("run", epilog=_epilog(run_cmd.EXAMPLES))(run_cmd.run)
+app.command("kernels", epilog=_epilog(kernels_cmd.EXAMPLES))(kernels_cmd.kernels)
 app.command("pull", epilog=_epilog(pull_cmd.EXAMPLES))(pull_cmd.pull)
 app.command("golden", epilog=_epilog(golden_cmd.EXAMPLES))(golden_cmd.golden)
 app.command("validate", epilog=_epilog(validate_cmd.EXAMPLES))(validate_cmd.validate)

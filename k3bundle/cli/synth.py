@@ -18,7 +18,7 @@ EXAMPLES = [
 
 def synth(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write (must not exist unless --force).")],
-    preset: Annotated[str, typer.Option(help="tiny (random, seconds), tiny-trained (the shipped trained tiny: demo, validate tests) small (~1 GB, benchmarks) or full-depth (the release's 497,220 tensors and 96 shards at narrow widths, ~1.2 GB: scale tests).")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny (random, seconds), tiny-trained (the shipped trained tiny: demo, validate tests) small (~1 GB, benchmarks) full-depth (the release's 497,220 tensors and 96 shards at narrow widths, ~1.2 GB: scale tests) or full-width (the release's widths at 4 layers and 32 experts, ~7 GB: real kernels at real shapes).")] = "tiny",
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives byte-identical files.")] = 0,
     force: Annotated[bool, typer.Option(help="Replace an existing output directory.")] = False,
     json_: JsonOpt = False,

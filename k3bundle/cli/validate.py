@@ -24,6 +24,7 @@ EXAMPLES = [
 def validate(
     bundle: Annotated[Path, typer.Argument(help="A bundle (or a source checkpoint) with validation/ goldens.")],
     device: Annotated[str, typer.Option(help="Torch device for the built-in executor: cpu, cuda, ...")] = "cpu",
+    backend: Annotated[str | None, typer.Option("--backend", help="Run the built-in executor on these kernels (fla, torch, planted:<bug>, a module; docs/kernels.md); teacher-forced checks then locate a kernel bug to its layer.")] = None,
     dumps: Annotated[Path | None, typer.Option(help="Judge intermediates dumped by an external runtime instead (docs/dump-format.md).")] = None,
     ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
@@ -41,14 +42,14 @@ def validate(
     reports = out or bundle / "reports"
     try:
         dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
-                          rank_results=rank_results)
+                          rank_results=rank_results, backend=backend)
         with progress_bar("validate", enabled=not json_) as update:
             rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed)
     except BaseException:
         remove_reports(reports)  # an earlier run's PASS must not outlive a run that could not be judged
         raise
     files = write_reports(rep, reports)
-    lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({device}) against {rep.tolerances.name} tolerances, "
+    lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({dut.name}) against {rep.tolerances.name} tolerances, "
              f"{rep.seconds:.1f} s"]
     for c in rep.cases:
         if c.status == "not run":

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from k3bundle.config import TextConfig
 from k3bundle.executor.cache import KDAState
-from k3bundle.executor.norms import linear, rms_norm
+from k3bundle.executor.norms import compute_dtype, linear, rms_norm
+from k3bundle.ops.contract import REFERENCE, Backend
 
 L2_EPS = 1e-6  # (K2) inside the sqrt, as fla's l2norm (use_qk_l2norm_in_kernel)
 CHUNK = 64
@@ -95,6 +96,19 @@ def chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, chunk: int = CHUNK, boun
     return o_HTV.transpose(0, 1), S_HKV, saved
 
 
+def gates(q_THK, k_THK, v_THV, z_THK, b_TH, A_log_H, dt_HK, lower: float, c: torch.dtype):
+    """(K2-K4) the delta rule's inputs from the projections, in the state dtype ``c``:
+    (q, k, v, g = log α, β). K = q's last dim, H heads from ``A_log_H`` (already sliced)."""
+    K = q_THK.shape[-1]
+    qt_THK, kt_THK, v_THV, z_THK = (t.to(c) for t in (q_THK, k_THK, v_THV, z_THK))
+    a_H1 = A_log_H.to(c).exp()[:, None]
+    q_THK = l2_normalise(qt_THK) * K ** -0.5  # (K2) L2 norm, then d^(-1/2)
+    k_THK = l2_normalise(kt_THK)  # (K2); (K2) v_t = ṽ_t
+    g_THK = lower * torch.sigmoid(a_H1 * (z_THK + dt_HK.to(c)))  # (K3) log α_t ∈ (−5, 0), dt_bias first
+    beta_TH = torch.sigmoid(b_TH.to(c))  # (K4)
+    return q_THK, k_THK, v_THV, g_THK, beta_TH
+
+
 @dataclass(frozen=True, slots=True)
 class KDAOut:
     out_TD: torch.Tensor  # KDA(x) (K7)
@@ -102,8 +116,41 @@ class KDAOut:
     snapshots: dict[int, KDAState]  # {n: state after n tokens} at the requested chunk boundaries
 
 
+# ---- the reference form of the ops (k3bundle.ops.contract.OP_CONTRACTS) a backend may replace ----
+# Batched forms (varlen ``cu_seqlens``, decode batches) loop over requests: the equations above,
+# once per request, so the executor with no backend is exactly these lines.
+
+def kda_chunked_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, *, lower_bound, chunk=CHUNK):
+    c, cu = state.dtype, [int(x) for x in cu_seqlens]
+    outs, finals = [], []
+    for n in range(len(cu) - 1):
+        p = slice(cu[n], cu[n + 1])
+        args = gates(q[p], k[p], v[p], g[p], beta[p], A_log, dt_bias, lower_bound, c)  # (K2-K4)
+        o, S, _ = chunked(*args, state[n], chunk)  # (K5)
+        outs.append(o)
+        finals.append(S)
+    return torch.cat(outs), torch.stack(finals)
+
+
+def kda_recurrent_decode(q, k, v, g, beta, A_log, dt_bias, state, *, lower_bound):
+    c = state.dtype
+    outs, finals = [], []
+    for b in range(q.shape[0]):
+        p = slice(b, b + 1)
+        args = gates(q[p], k[p], v[p], g[p], beta[p], A_log, dt_bias, lower_bound, c)  # (K2-K4)
+        o, S = recurrent(*args, state[b])  # (K5)
+        outs.append(o)
+        finals.append(S)
+    return torch.cat(outs), torch.stack(finals)
+
+
+def causal_short_conv1d_with_state(u, weight, state):
+    out, ext = short_conv(u, weight, state, compute_dtype(u))  # (K1)
+    return out, ext[ext.shape[0] - state.shape[0]:]
+
+
 def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bool = False,
-            chunk: int = CHUNK, boundaries=()) -> KDAOut:
+            chunk: int = CHUNK, boundaries=(), ops: Backend = REFERENCE) -> KDAOut:
     """KDA(x) for T new tokens after ``state``.
 
     Args:
@@ -111,6 +158,7 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
         W: the layer's weights by role ("kda.*").
         decode: use the recurrence (else the chunked form).
         boundaries: token counts (multiples of ``chunk``) at which to return state snapshots.
+        ops: the backend whose conv and delta-rule kernels run (docs/kernels.md).
 
     Returns:
         ``KDAOut``: KDA(x) [T, D], the state after the T tokens, {n: state after n tokens}.
@@ -119,33 +167,46 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
     H = W["kda.b_proj"].shape[0]  # heads from the weights: a TP rank may hold a slice
     K = W["kda.q_proj"].shape[0] // H
     V = W["kda.o_norm"].shape[0]
-    conv = []
+    conv_op = ops.op("causal_short_conv1d_with_state", causal_short_conv1d_with_state)
+    conv, ext, conv_state = [], [], []
     for i, (proj, kernel) in enumerate(CONV_ROLES):
         u_TP = linear(x_TD, W[proj])  # (K1) u_c = W_c x
-        conv.append(short_conv(u_TP, W[kernel], state.conv_3WP[i], c))  # (K1)
-    (qt_TP, ext_q), (kt_TP, ext_k), (vt_TP, ext_v) = conv
+        out_TP, new_WP = conv_op(u_TP, W[kernel], state.conv_3WP[i])  # (K1)
+        conv.append(out_TP)
+        conv_state.append(new_WP)
+        ext.append(torch.cat([state.conv_3WP[i].to(u_TP.dtype), u_TP]))  # the inputs, for snapshots
+    qt_TP, kt_TP, vt_TP = conv
     z_TP = linear(linear(x_TD, W["kda.f_a_proj"]), W["kda.f_b_proj"])  # (K3) z = W_fb W_fa x (low rank)
     b_TH = linear(x_TD, W["kda.b_proj"])
     g_TP = linear(x_TD, W["kda.g_proj"])
-    # K2-K5 and the gates run in the state dtype (FP32; FP64 under float64), as fla's kernels
-    # do with use_qk_l2norm / use_gate / use_beta_sigmoid_in_kernel
-    qt_THK, kt_THK, vt_THV, z_THK = (t.view(T, H, -1).to(c) for t in (qt_TP, kt_TP, vt_TP, z_TP))
-    a_H1 = W["kda.A_log"][:H].to(c).exp()[:, None]  # A_log is stored zero-padded to 128 (spec §2.5)
-    dt_HK = W["kda.dt_bias"].view(H, K).to(c)
+    # K2-K5 and the gates run in the kernel, in the state dtype (FP32; FP64 under float64), as
+    # fla's kernels do with use_qk_l2norm / use_gate / use_beta_sigmoid_in_kernel
+    q_THK, k_THK, v_THV, z_THK = (t.view(T, H, -1) for t in (qt_TP, kt_TP, vt_TP, z_TP))
+    A_log_H = W["kda.A_log"][:H]  # A_log is stored zero-padded to 128 (spec §2.5)
+    dt_HK = W["kda.dt_bias"].view(H, K)
     lower = text.linear_attn_config.gate_lower_bound
-    q_THK = l2_normalise(qt_THK) * K ** -0.5  # (K2) L2 norm, then d^(-1/2)
-    k_THK = l2_normalise(kt_THK)  # (K2)
-    v_THV = vt_THV  # (K2) v_t = ṽ_t
-    g_THK = lower * torch.sigmoid(a_H1 * (z_THK + dt_HK))  # (K3) log α_t ∈ (−5, 0), dt_bias first
-    beta_TH = torch.sigmoid(b_TH.to(c))  # (K4)
-    if decode:
-        o_THV, S_HKV = recurrent(q_THK, k_THK, v_THV, g_THK, beta_TH, state.recurrent_HKV)  # (K5)
-        saved = {}
-    else:
-        o_THV, S_HKV, saved = chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, state.recurrent_HKV,
-                                      chunk, boundaries)  # (K5)
+    S_HKV, saved, o_parts = state.recurrent_HKV, {}, []
+    if decode:  # (K5) the recurrence, one token per kernel call
+        step = ops.op("kda_recurrent_decode", kda_recurrent_decode)
+        for t in range(T):
+            s = slice(t, t + 1)
+            o_1HV, S_1HKV = step(q_THK[s], k_THK[s], v_THV[s], z_THK[s], b_TH[s], A_log_H, dt_HK, S_HKV[None],
+                                 lower_bound=lower)
+            o_parts.append(o_1HV)
+            S_HKV = S_1HKV[0]
+    else:  # (K5) the chunked form; cut at the snapshot boundaries (chunk multiples: exact)
+        prefill, s = ops.op("kda_chunked_prefill", kda_chunked_prefill), 0
+        for e in sorted({*boundaries, T}):
+            cu = torch.tensor([0, e - s], dtype=torch.long, device=x_TD.device)
+            p = slice(s, e)
+            o_CHV, S_1HKV = prefill(q_THK[p], k_THK[p], v_THV[p], z_THK[p], b_TH[p], A_log_H, dt_HK, S_HKV[None],
+                                    cu, lower_bound=lower, chunk=chunk)
+            o_parts.append(o_CHV)
+            S_HKV, s = S_1HKV[0], e
+            if e in boundaries:
+                saved[e] = S_HKV.clone()  # a backend may reuse its output buffer
     # the delta-rule kernel hands o back in the activation dtype (fla returns v's dtype)
-    o_THV = o_THV.to(act)
+    o_THV = torch.cat(o_parts).to(act)
     n_THV = rms_norm(o_THV, W["kda.o_norm"], text.rms_norm_eps)  # (K6) N1, F32 gain shared by heads
     # the sigmoid gate multiplies in FP32 and rounds once to the activation dtype
     n_THV, gate_THV = n_THV.to(c), g_TP.view(T, H, V).to(c)
@@ -154,7 +215,7 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
     win = state.conv_3WP.shape[1]
 
     def conv_after(n: int) -> torch.Tensor:  # (K1) the last W pre-conv inputs after n tokens
-        return torch.stack([ext_q[n:n + win], ext_k[n:n + win], ext_v[n:n + win]])
+        return torch.stack([x[n:n + win] for x in ext])
 
     snaps = {n: KDAState(S, conv_after(n)) for n, S in saved.items()}
-    return KDAOut(out_TD, KDAState(S_HKV, conv_after(T)), snaps)
+    return KDAOut(out_TD, KDAState(S_HKV, torch.stack(conv_state).to(state.conv_3WP.dtype)), snaps)

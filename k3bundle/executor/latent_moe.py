@@ -25,6 +25,7 @@ import torch
 from k3bundle.config import TextConfig
 from k3bundle.executor.norms import compute_dtype, linear, rms_norm
 from k3bundle.executor.situ_glu import glu
+from k3bundle.ops.contract import REFERENCE, Backend
 
 RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwise
 
@@ -47,14 +48,16 @@ class MoEOut:
 
 
 def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, text: TextConfig,
-          forced_TK: torch.Tensor | None = None) -> Route:
+          forced_TK: torch.Tensor | None = None, ops: Backend = REFERENCE) -> Route:
     """(R1-R3) for the post_attention_layernorm output x.
 
     ``forced_TK`` replaces the selection (R2) by given ids, e.g. a golden run's, so that a
     comparison is not dominated by near-tie routing flips; the weights still follow R3, and
-    the router's own choice stays available as ``own_ids_TK``.
+    the router's own choice stays available as ``own_ids_TK``. With a backend that brings its
+    own router, ids and weights are the backend's; margin and noise (diagnostics) stay the reference's.
     """
     c, u = compute_dtype(x_TD), torch.finfo(x_TD.dtype).eps / 2  # u: unit roundoff of the input
+    x_in = x_TD
     # the router runs in FP32 whatever the activation dtype (vLLM: replicated gate, FP32 output)
     x_TD, w_router_ED, bias_E = x_TD.to(c), w_router_ED.to(c), bias_E.to(c)
     logits_TE = linear(x_TD, w_router_ED)  # (R1)
@@ -63,10 +66,22 @@ def route(x_TD: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, t
     top = torch.topk(s_TE + bias_E, min(k + 1, s_TE.shape[-1]), dim=-1)  # (R2) biased, one extra for the margin
     own_TK = top.indices[:, :k]
     margin_T = top.values[:, k - 1] - top.values[:, k] if top.values.shape[-1] > k else top.values[:, k - 1]
+    noise_T = margin_noise(x_TD, w_router_ED, s_TE, top.indices, k, u)
+    if ops.provides("sigmoid_biased_topk_router"):
+        op, kw = ops.ops["sigmoid_biased_topk_router"], dict(top_k=k, scaling=text.routed_scaling_factor)
+        own_TK, w_TK = op(x_in, w_router_ED, bias_E, **kw)
+        ids_TK = own_TK
+        if forced_TK is not None:
+            ids_TK, w_TK = op(x_in, w_router_ED, bias_E, forced_ids=forced_TK.to(own_TK.device, torch.long), **kw)
+        return Route(ids_TK.long(), w_TK.to(c), margin_T, own_TK.long(), noise_T)
     ids_TK = own_TK if forced_TK is None else forced_TK.to(own_TK.device, torch.long)
+    return Route(ids_TK, weights(s_TE, ids_TK, text.routed_scaling_factor), margin_T, own_TK, noise_T)
+
+
+def weights(s_TE: torch.Tensor, ids_TK: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(R3) the renormalised unbiased scores of the selected experts."""
     s_TK = s_TE.gather(-1, ids_TK)  # (R3) the unbiased scores of the selected experts
-    w_TK = s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * text.routed_scaling_factor  # (R3)
-    return Route(ids_TK, w_TK, margin_T, own_TK, margin_noise(x_TD, w_router_ED, s_TE, top.indices, k, u))
+    return s_TK / (s_TK.sum(-1, keepdim=True) + RENORM_EPS) * scaling  # (R3)
 
 
 def margin_noise(x_TD, w_ED, s_TE, top_TK1, k: int, u: float) -> torch.Tensor:
@@ -87,26 +102,37 @@ def margin_noise(x_TD, w_ED, s_TE, top_TK1, k: int, u: float) -> torch.Tensor:
     return torch.linalg.vector_norm(s_T2 * (1 - s_T2) * logit_std_T2, dim=-1)
 
 
-def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None) -> MoEOut:
-    """MoE(x) for the post_attention_layernorm output x, and the route it took."""
-    act, c = x_TD.dtype, compute_dtype(x_TD)
-    r = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK)  # (R1-R3)
-    ids_TK, w_TK = r.ids_TK, r.weights_TK
-    z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
-    r_TL = torch.zeros(z_TL.shape, dtype=c, device=z_TL.device)
+def routed(z_TL, ids_TK, w_TK, expert, situ_beta: float, situ_cap: float) -> torch.Tensor:
+    """(R5) r = Σ_{i∈I} w_i E_i(z) in the compute dtype; ``expert(e)`` -> {role: weight} or None."""
+    r_TL = torch.zeros(z_TL.shape, dtype=w_TK.dtype, device=z_TL.device)
     for e in torch.unique(ids_TK).tolist():
-        E = W.expert(e)  # dequantized now, only because some token picked it
+        E = expert(e)  # dequantized now, only because some token picked it
         if E is None:  # owned by another expert-parallel rank
             continue
         tok_N, slot_N = (ids_TK == e).nonzero(as_tuple=True)
-        y_NL = glu(z_TL[tok_N], E["moe.expert.w1"], E["moe.expert.w3"], E["moe.expert.w2"], text)  # (R5) E_i(z)
+        y_NL = glu(z_TL[tok_N], E["moe.expert.w1"], E["moe.expert.w3"], E["moe.expert.w2"],
+                   situ_beta, situ_cap)  # (R5) E_i(z)
         # the combine accumulates in FP32; a token picks an expert at most once, so no repeats in tok_N
-        y_NL = y_NL.to(c)
-        r_TL[tok_N] += w_TK[tok_N, slot_N, None] * y_NL  # (R5) Σ w_i E_i(z)
+        r_TL[tok_N] += w_TK[tok_N, slot_N, None] * y_NL.to(w_TK.dtype)  # (R5) Σ w_i E_i(z)
         del E
+    return r_TL
+
+
+def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None,
+            ops: Backend = REFERENCE) -> MoEOut:
+    """MoE(x) for the post_attention_layernorm output x, and the route it took."""
+    act, c = x_TD.dtype, compute_dtype(x_TD)
+    r = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK, ops)  # (R1-R3)
+    z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
+    beta, cap = text.activation_situ_beta, text.activation_situ_linear_beta
+    op = W.expert_op  # the grouped GEMM of this storage format (graph_manifest custom_ops)
+    if ops.provides(op):
+        r_TL = ops.ops[op](z_TL, r.ids_TK, r.weights_TK.to(c), W.stored_expert, situ_beta=beta, situ_cap=cap)
+    else:
+        r_TL = routed(z_TL, r.ids_TK, r.weights_TK.to(c), W.expert, beta, cap)  # (R5)
     # the weighted sum is one tensor across EP/TP ranks before the norm (R6 needs all of r)
-    r_TL = W.reduce(r_TL).to(act)
+    r_TL = W.reduce(r_TL.to(c)).to(act)
     routed_TD = linear(rms_norm(r_TL, W["moe.latent_norm"], text.rms_norm_eps), W["moe.latent_up"])  # (R6)
     shared_TD = W.reduce(glu(x_TD, W["moe.shared.gate_proj"], W["moe.shared.up_proj"],
-                             W["moe.shared.down_proj"], text))  # (R7) on the un-projected x
+                             W["moe.shared.down_proj"], beta, cap))  # (R7) on the un-projected x
     return MoEOut(routed_TD + shared_TD, r)  # (R7)

@@ -29,6 +29,7 @@ import torch
 from k3bundle.config import TextConfig
 from k3bundle.executor.cache import MLAState
 from k3bundle.executor.norms import compute_dtype, linear, rms_norm
+from k3bundle.ops.contract import REFERENCE, Backend
 
 
 def project(x_TD: torch.Tensor, W, text: TextConfig):
@@ -54,20 +55,24 @@ def _causal_softmax(scores_HTS: torch.Tensor, offset: int) -> torch.Tensor:
 QUERY_BLOCK = 1024  # queries per score block in the naive form: bounds memory at [H, 1024, S]
 
 
-def attend_naive(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:
-    """(M2-M4) with K and V expanded from the latent cache; returns o [T, H, V] (activation dtype).
+def expand(latent_SC: torch.Tensor, W, text: TextConfig):
+    """(M2-M3) K [S, H, N+R] and V [S, H, V] expanded from the latent cache (prefill)."""
+    N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
+    S = latent_SC.shape[0]
+    kv_SHE = linear(latent_SC[:, :L], W["mla.kv_b_proj"]).view(S, -1, N + V)  # (M2) [k_nope | v]
+    H = kv_SHE.shape[1]
+    k_SHE = torch.cat([kv_SHE[..., :N], latent_SC[:, None, L:].expand(S, H, -1)], -1)  # (M3) shared k_pe
+    return k_SHE, kv_SHE[..., N:]
+
+
+def attend_naive(q_THE, k_SHE, v_SHV, offset: int, scale: float) -> torch.Tensor:
+    """(M4) causal attention of T queries at positions offset.. over S keys; o [T, H, V] (activation dtype).
 
     Queries are processed in blocks of ``QUERY_BLOCK`` so a long prefill never holds a [H, T, S]
     score tensor; each block attends only to the keys it can see (causal), which is exact.
     """
-    N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
-    S, act, c = latent_SC.shape[0], q_nope.dtype, compute_dtype(q_nope)
-    kv_SHE = linear(latent_SC[:, :L], W["mla.kv_b_proj"]).view(S, -1, N + V)  # (M2) [k_nope | v]
-    H = kv_SHE.shape[1]
-    k_SHE = torch.cat([kv_SHE[..., :N], latent_SC[:, None, L:].expand(S, H, -1)], -1).to(c)  # (M3) shared k_pe
-    v_SHV = kv_SHE[..., N:].to(c)
-    q_THE = torch.cat([q_nope, q_pe], dim=-1).to(c)
-    scale = (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4) no YaRN mscale, no cap
+    act, c = q_THE.dtype, compute_dtype(q_THE)
+    q_THE, k_SHE, v_SHV = q_THE.to(c), k_SHE.to(c), v_SHV.to(c)
     out = []
     for t0 in range(0, q_THE.shape[0], QUERY_BLOCK):
         t1 = min(t0 + QUERY_BLOCK, q_THE.shape[0])
@@ -78,16 +83,17 @@ def attend_naive(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> t
     return torch.cat(out).to(act)
 
 
-def attend_absorbed(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -> torch.Tensor:
-    """(M4) with W_UK/W_UV absorbed, reading only the latent cache; returns o [T, H, V]."""
-    N, L, V = text.qk_nope_head_dim, text.kv_lora_rank, text.v_head_dim
+def attend_absorbed(q_nope, q_pe, latent_SC, w_HEL, offset: int, scale: float) -> torch.Tensor:
+    """(M4) with W_UK/W_UV absorbed, reading only the latent cache; returns o [T, H, V].
+
+    ``w_HEL``: kv_b_proj per head, rows [k_nope (N) | v (V)] of the latent width L."""
+    N, L = q_nope.shape[-1], w_HEL.shape[-1]
     act, c = q_nope.dtype, compute_dtype(q_nope)
     # the whole absorbed form runs in FP32 (FP64 under float64) from activation-dtype operands
-    w_HEL = W["mla.kv_b_proj"].view(-1, N + V, L).to(c)  # per head rows [k_nope (N) | v (V)]
+    w_HEL = w_HEL.to(c)
     ckv_SL, kpe_SR = latent_SC[:, :L].to(c), latent_SC[:, L:].to(c)
     q_nope, q_pe = q_nope.to(c), q_pe.to(c)
     q_lat_THL = torch.einsum("thn,hnl->thl", q_nope, w_HEL[:, :N])  # (M4) W_UKᵀ q_nope
-    scale = (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4)
     scores_HTS = (torch.einsum("thl,sl->hts", q_lat_THL, ckv_SL)
                   + torch.einsum("thr,sr->hts", q_pe, kpe_SR)) * scale  # (M4) q_nope·k_nope + q_pe·k_pe
     p_HTS = _causal_softmax(scores_HTS, offset)  # (M4)
@@ -96,30 +102,65 @@ def attend_absorbed(q_nope, q_pe, latent_SC, W, text: TextConfig, offset: int) -
     return o_THV.to(act)
 
 
+def output_gate(o_THV: torch.Tensor, g_TP: torch.Tensor) -> torch.Tensor:
+    """(M5) o ⊙ σ(W_g x) for [T, H, V] o; the sigmoid gate multiplies in FP32 and rounds once."""
+    act, c = o_THV.dtype, compute_dtype(o_THV)
+    o_TP, g_TP = o_THV.reshape(o_THV.shape[0], -1).to(c), g_TP.to(c)
+    return (o_TP * torch.sigmoid(g_TP)).to(act)  # (M5) o ⊙ σ(W_g x)
+
+
+def softmax_scale(text: TextConfig) -> float:
+    return (text.qk_nope_head_dim + text.qk_rope_head_dim) ** -0.5  # (M4) no YaRN mscale, no cap
+
+
+# ---- the reference form of the ops (k3bundle.ops.contract.OP_CONTRACTS) a backend may replace ----
+
+def gated_mla_prefill(q, k, v, gate, *, offset, scale):
+    return output_gate(attend_naive(q, k, v, offset, scale), gate)  # (M4-M5)
+
+
+def gated_mla_decode_latent_cache(q_nope, q_pe, latent, lengths, w_kvb, gate, *, scale):
+    rows = []
+    for b in range(q_nope.shape[0]):  # one request at a time: attend_absorbed over its own cache
+        n, p = int(lengths[b]), slice(b, b + 1)
+        rows.append(attend_absorbed(q_nope[p], q_pe[p], latent[b, :n], w_kvb, n - 1, scale))  # (M4)
+    return output_gate(torch.cat(rows), gate)  # (M5)
+
+
 @dataclass(frozen=True, slots=True)
 class MLAOut:
     out_TD: torch.Tensor  # MLA(x) (M5)
     latent_TC: torch.Tensor  # the new tokens' latents [ĉ_kv ‖ k_pe] (M2/M3), appended to the state
 
 
-def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: bool = False) -> MLAOut:
+def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: bool = False,
+            ops: Backend = REFERENCE) -> MLAOut:
     """MLA(x) for T new tokens; appends their latents to ``state`` (in place).
 
     Args:
         x_TD: the input_layernorm output, activation dtype.
         absorbed: the decode form (else the naive prefill form); same result.
+        ops: the backend whose attention kernels run (docs/kernels.md).
 
     Returns:
         ``MLAOut``: MLA(x) [T, D] and the new tokens' latents [T, C].
     """
-    T, act, c = x_TD.shape[0], x_TD.dtype, compute_dtype(x_TD)
+    T = x_TD.shape[0]
+    N, V, L = text.qk_nope_head_dim, text.v_head_dim, text.kv_lora_rank
     q_nope, q_pe, latent_TC = project(x_TD, W, text)
     offset = state.length
     latent_SC = state.append(latent_TC)
-    attend = attend_absorbed if absorbed else attend_naive
-    o_THV = attend(q_nope, q_pe, latent_SC, W, text, offset)  # (M4)
     g_TP = linear(x_TD, W["mla.g_proj"])
-    # the sigmoid gate multiplies in FP32 and rounds once to the activation dtype
-    o_TP, g_TP = o_THV.reshape(T, -1).to(c), g_TP.to(c)
-    y_TP = (o_TP * torch.sigmoid(g_TP)).to(act)  # (M5) o ⊙ σ(W_g x)
+    scale = softmax_scale(text)
+    if absorbed:  # one query per kernel row, each at its own position (decode: T = 1)
+        lengths_B = torch.arange(offset + 1, offset + T + 1, device=x_TD.device)
+        latent_BSC = latent_SC[None].expand(T, -1, -1)
+        w_HEL = W["mla.kv_b_proj"].view(-1, N + V, L)
+        attend = ops.op("gated_mla_decode_latent_cache", gated_mla_decode_latent_cache)
+        y_TP = attend(q_nope, q_pe, latent_BSC, lengths_B, w_HEL, g_TP, scale=scale)  # (M4-M5)
+    else:
+        k_SHE, v_SHV = expand(latent_SC, W, text)  # (M2-M3)
+        q_THE = torch.cat([q_nope, q_pe], dim=-1)
+        attend = ops.op("gated_mla_prefill", gated_mla_prefill)
+        y_TP = attend(q_THE, k_SHE, v_SHV, g_TP, offset=offset, scale=scale)  # (M4-M5)
     return MLAOut(W.reduce(linear(y_TP, W["mla.o_proj"])), latent_TC)  # (M5) W_o, row-parallel sum

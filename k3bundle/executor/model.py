@@ -45,6 +45,7 @@ from k3bundle.executor.errors import ExecutorError
 from k3bundle.executor.norms import rms_norm
 from k3bundle.executor.taps import TapRecorder
 from k3bundle.executor.weights import WeightSource
+from k3bundle.ops.contract import REFERENCE, Backend
 
 #: teacher forcing: full-sequence tap by name ([T, ...]), or None where the feed has none
 Feed = Callable[[str], "torch.Tensor | None"]
@@ -79,8 +80,11 @@ class Executor:
     """Runs the model over a ``WeightSource``; optional ``TapRecorder``(s) for intermediates."""
 
     def __init__(self, weights: WeightSource, taps: TapRecorder | Sequence[TapRecorder] | None = None,
-                 chunk: int = kda.CHUNK, forced_routes: dict[str, torch.Tensor] | None = None):
+                 chunk: int = kda.CHUNK, forced_routes: dict[str, torch.Tensor] | None = None,
+                 ops: Backend | None = None):
         self.w = weights
+        # the device's kernels: given, else the weight source's (``WeightSource.backend``), else the reference
+        self.ops = ops or getattr(weights, "backend", None) or REFERENCE
         self.text = weights.config.text
         self.recorders = [] if taps is None else [taps] if isinstance(taps, TapRecorder) else list(taps)
         self.chunk = chunk
@@ -215,10 +219,10 @@ class Executor:
         n_TD = rms_norm(fed("attn_res_out", x_TD), W["input_norm"], eps)
         state = cache.layers[l]
         if t.is_mla(l):
-            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode).out_TD  # (M1-M5)
+            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode, ops=self.ops).out_TD  # (M1-M5)
             snaps = {n: state.truncated(start + n) for n in boundaries}
         else:
-            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries)  # (K1-K7)
+            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries, self.ops)  # (K1-K7)
             cache.layers[l] = mixer.state
             a_TD, snaps = mixer.out_TD, mixer.snapshots
         stream.add_mixer(fed("mixer_out", a_TD))  # (A2.4)
@@ -228,7 +232,7 @@ class Executor:
         if t.is_moe(l):
             forced = self.forced_routes.get(f"layers.{l}.router_ids")
             forced = None if forced is None else forced[start:start + m_TD.shape[0]]
-            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False))  # (R1-R7)
+            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False), self.ops)  # (R1-R7)
             f_TD, route = moe.out_TD, moe.route
         else:
             f_TD = situ_glu.dense(m_TD, W, t)  # (D1)

@@ -28,13 +28,13 @@ def cap(u: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def glu(x_TD: torch.Tensor, w_gate_ID: torch.Tensor, w_up_ID: torch.Tensor, w_down_DI: torch.Tensor,
-        text: TextConfig) -> torch.Tensor:
+        beta: float, limit: float) -> torch.Tensor:
     """(S3) for any of the three FFN kinds; returns the activation dtype."""
     c = compute_dtype(x_TD)
     # the activation is computed in FP32 from the activation-dtype projections (S3)
     gate_TI = linear(x_TD, w_gate_ID).to(c)
     up_TI = linear(x_TD, w_up_ID).to(c)
-    h_TI = situ(gate_TI, text.activation_situ_beta) * cap(up_TI, text.activation_situ_linear_beta)  # (S3)
+    h_TI = situ(gate_TI, beta) * cap(up_TI, limit)  # (S3)
     # cast back before the down projection, as a serving kernel's bf16 GEMM input
     h_TI = h_TI.to(x_TD.dtype)
     return linear(h_TI, w_down_DI)  # (S3)
@@ -42,4 +42,5 @@ def glu(x_TD: torch.Tensor, w_gate_ID: torch.Tensor, w_up_ID: torch.Tensor, w_do
 
 def dense(x_TD: torch.Tensor, W, text: TextConfig) -> torch.Tensor:
     """(D1) layer 0's FFN; the down projection is row-parallel under TP (``W.reduce``)."""
-    return W.reduce(glu(x_TD, W["dense.gate_proj"], W["dense.up_proj"], W["dense.down_proj"], text))  # (D1)
+    return W.reduce(glu(x_TD, W["dense.gate_proj"], W["dense.up_proj"], W["dense.down_proj"],
+                        text.activation_situ_beta, text.activation_situ_linear_beta))  # (D1)

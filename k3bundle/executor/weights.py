@@ -41,11 +41,13 @@ import torch
 from k3bundle.config import K3Config
 from k3bundle.executor.errors import ExecutorError
 from k3bundle.formats import mxfp4
+from k3bundle.ops.expert_weight import ExpertWeight, logical
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
 from k3bundle.source import SourceCheckpoint
 
 EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (spec §2.8)
+MXFP4_GROUPED = "mxfp4_weight_gemm_grouped"  # the release stores routed experts MXFP4
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,14 @@ class LayerWeights(Mapping):
     """One decoder layer's non-expert tensors by role, plus lazy access to its routed experts."""
 
     def __init__(self, layer: int, tensors: dict[str, torch.Tensor],
-                 expert: Callable[[int], dict[str, torch.Tensor] | None] | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 expert: Callable[[int], dict[str, ExpertWeight] | None] | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 expert_op: str = MXFP4_GROUPED):
         self.layer = layer
         self._tensors = tensors
         self._expert = expert
         self.reduce = reduce or (lambda x: x)
+        self.expert_op = expert_op  # the grouped GEMM op of the experts' storage (graph_manifest custom_ops)
 
     def __getitem__(self, role: str) -> torch.Tensor:
         try:
@@ -97,7 +101,15 @@ class LayerWeights(Mapping):
 
     def expert(self, e: int) -> dict[str, torch.Tensor] | None:
         """{"moe.expert.w1": gate [Ie, Lr], "...w3": up, "...w2": down [Lr, Ie]}, or None if not local."""
-        return self._expert(e) if self._expert else None
+        return logical(self.stored_expert(e))
+
+    def stored_expert(self, e: int) -> dict[str, ExpertWeight] | None:
+        """The same as ``ExpertWeight``s: the stored MXFP4 form where the source has it (a backend's
+        grouped-expert op reads it), the logical value on demand."""
+        if not self._expert:
+            return None
+        w = self._expert(e)
+        return None if w is None else {r: v if isinstance(v, ExpertWeight) else ExpertWeight(v) for r, v in w.items()}
 
     @property
     def nbytes(self) -> int:
@@ -125,12 +137,37 @@ class WeightSource(ABC):
 
     #: KDA heads held by this source (a TP rank holds a slice); None = all of them
     kda_heads: int | None = None
+    #: the kernels every executor on this source runs (``k3bundle.kernels``); None = the reference
+    backend = None
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
+
+
+#: the share of free memory one dtype policy's resident weights may take: a run's BF16 device
+#: weights and its float32 exact-check (or golden) weights fit together, with room for activations
+RESIDENT_SHARE = {"bfloat16": 0.2, "float32": 0.4, "float64": 0.4}
+
+
+def resident_budget(device: str | torch.device, dtype: str, processes: int = 1) -> int:
+    """Bytes a weight source of dtype policy ``dtype`` may keep resident on ``device``: its share
+    of the free GPU memory (CUDA) or of the available RAM (``/proc/meminfo``; 0 where unknown),
+    split over ``processes`` sharing that memory. A run that asks for a layer many times
+    (teacher-forced decode) keeps what fits and re-reads the rest."""
+    device, share = torch.device(device), RESIDENT_SHARE.get(dtype, 0.2) / max(1, processes)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * share)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(int(line.split()[1]) * 1024 * share)
+    except OSError:
+        pass
+    return 0
 
 
 class SourceWeights(WeightSource):
@@ -183,13 +220,14 @@ class SourceWeights(WeightSource):
             self._resident[key] = t
         return t
 
-    def _read_expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+    def _read_expert(self, layer: int, e: int) -> dict[str, ExpertWeight]:
         out = {}
         for role in EXPERT_ROLES:
             packed = self.src.get(self.schema.name(role, layer, e, part="packed")).to(self.device)
             scale = self.src.get(self.schema.name(role, layer, e, part="scale")).to(self.device)
-            out[role] = mxfp4.dequantize(packed, scale, self.policy.weight,
-                                         block=self.config.text.mxfp4_group)
+            decode = lambda p=packed, s=scale: mxfp4.dequantize(p, s, self.policy.weight,  # noqa: E731
+                                                                block=self.config.text.mxfp4_group)
+            out[role] = ExpertWeight(decode, (packed, scale))
         self.expert_reads += 1
         return out
 

@@ -23,6 +23,7 @@ import torch
 
 from k3bundle import __version__
 from k3bundle.executor import SourceWeights
+from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.case import run_case
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
@@ -81,7 +82,8 @@ def _bf16_twin(source: Path, device: str):
     if (source / "manifest.json").is_file():
         from k3bundle.bundle.weights import BundleWeights
 
-        return BundleWeights(source, dtype="bfloat16", device=device)
+        return BundleWeights(source, dtype="bfloat16", device=device,
+                             resident_bytes=resident_budget(device, "bfloat16"))
     return SourceWeights(source, dtype="bfloat16", device=device, resident=True)
 
 
@@ -130,7 +132,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     if (source / "manifest.json").is_file():  # a bundle: its device weights, every rank merged
         from k3bundle.bundle.weights import BundleWeights
 
-        weights = BundleWeights(source, dtype=dtype, device=device)
+        weights = BundleWeights(source, dtype=dtype, device=device, resident_bytes=resident_budget(device, dtype))
     else:
         weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
     bf16 = _bf16_twin(source, device) if noise else None

@@ -73,7 +73,8 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
 
     Args:
         out (`Path`): destination directory; must not exist unless ``force``.
-        preset (`str`): "tiny", "tiny-trained", "small" or "full-depth" ("full" is refused: 1.56 TB).
+        preset (`str`): "tiny", "tiny-trained", "small", "full-depth" or "full-width" ("full" is
+            refused: 1.56 TB).
         seed (`int`): same seed => byte-identical files. A trained preset is one fixed model:
             its text tensors come from the package and the seed must stay 0.
         progress (`callable`, optional): called as ``progress(done, total, file_name)``.

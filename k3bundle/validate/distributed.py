@@ -26,7 +26,7 @@ from k3bundle.validate.errors import ValidateError
 
 class Distributed(Device):
     def __init__(self, bundle: str | Path, device: str = "cpu", nproc: int | None = None,
-                 results: str | Path | None = None):
+                 results: str | Path | None = None, backend: str | None = None, name: str | None = None):
         self.bundle = Path(bundle)
         par = bundle_layout(self.bundle)["parallel"]
         world = par["tp"]
@@ -36,8 +36,9 @@ class Distributed(Device):
                                 f"{par.get('attention_dp')}); use --ranks merged")
         if nproc is not None and nproc != world:
             raise ValidateError(f"{self.bundle}: the layout has {world} ranks, --nproc {nproc} differs")
-        super().__init__(device)
+        super().__init__(name or device)
         self.device, self.nproc = device, world
+        self.backend = backend  # every rank's executor runs this backend's kernels (None: the reference)
         self.results_dir = None if results is None else Path(results)  # a worker run made elsewhere
         self.results: dict[str, tuple[dict, dict | None]] = {}
 
@@ -48,7 +49,8 @@ class Distributed(Device):
         with tempfile.TemporaryDirectory(prefix="k3-ranks-") as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(self.nproc),
                    "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-                   "-m", "k3bundle.validate.worker", str(self.bundle), str(validation), tmp, self.device]
+                   "-m", "k3bundle.validate.worker", str(self.bundle), str(validation), tmp, self.device,
+                   self.backend or "reference"]
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:

@@ -35,7 +35,7 @@ def to_json(rep) -> dict:
     cases = []
     for c in rep.cases:
         d = {"name": c.name, "kind": c.kind, "status": c.status, "reason": c.reason,
-             "layer_checks": c.layer_checks or "ran"}
+             "layer_checks": c.layer_checks or "ran", "seconds": round(c.seconds, 2)}
         if c.status != "not run":
             ff = c.first_failure
             d.update({
@@ -69,11 +69,11 @@ def to_markdown(rep) -> str:
              f"- limits calibrated: {rep.tolerances.calibration_run or 'no calibration recorded'}",
              f"- exact check (float32 on the goldens' own weights): {rep.exact or 'not run'}",
              f"- bundle files against the manifest: {rep.integrity or 'not checked'}", "",
-             "| case | kind | status | checks failed | first failing layer / tap | greedy | state drift max |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | kind | status | checks failed | first failing layer / tap | greedy | state drift max | s |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in rep.cases:
         if c.status == "not run":
-            lines.append(f"| {c.name} | {c.kind} | not run | – | {c.reason} | – | – |")
+            lines.append(f"| {c.name} | {c.kind} | not run | – | {c.reason} | – | – | – |")
             continue
         ff = c.first_failure
         where = "–" if ff is None else f"layer {ff.layer}: `{ff.tap}` ({ff.mode})"
@@ -84,7 +84,7 @@ def to_markdown(rep) -> str:
         drift, drift_limit = c.drift_worst
         failed = sum(not r.passed for r in c.results)
         lines.append(f"| {c.name} | {c.kind} | {c.status.upper()} | {failed}/{len(c.results)} | {where} | "
-                     f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) |")
+                     f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) | {c.seconds:.1f} |")
     for c in rep.cases:
         bad = [r for r in c.results if not r.passed]
         near = margins(c, rep.tolerances) if c.status != "not run" else []

@@ -44,6 +44,7 @@ class CaseReport:
     positions: list[int] = field(default_factory=list)  # the prompt positions kld_by_position is at
     first_failure: TapResult | None = None
     layer_checks: str = ""  # why teacher-forced checks were skipped, if they were
+    seconds: float = 0.0  # the device's run of the case and its judging
 
     @property
     def passed(self) -> bool:
@@ -208,9 +209,11 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
         if entry.get("status") != "ok":
             cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
             continue
+        t_case = time.time()
         golden = _case_arrays(inter, entry["name"])
         out = device.case(entry["name"], golden, inputs[f"{entry['name']}/ids"])
         cases.append(judge_case(entry["name"], entry["kind"], golden, out, tol))
+        cases[-1].seconds = time.time() - t_case
     if progress:
         progress(len(listed), len(listed), "")
     return Report(str(bundle), device.mode, device.name, tol, cases, meta, time.time() - t0, device.exact_status,

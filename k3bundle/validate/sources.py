@@ -8,7 +8,8 @@ from pathlib import Path
 from k3bundle.bundle.weights import BundleWeights
 from k3bundle.config import load_config
 from k3bundle.executor import SourceWeights
-from k3bundle.validate.devices import Device, Dumps, InProcess
+from k3bundle.executor.weights import resident_budget
+from k3bundle.validate.devices import DEVICE_POLICY, Device, Dumps, InProcess
 from k3bundle.validate.distributed import Distributed
 from k3bundle.validate.errors import ValidateError
 
@@ -16,19 +17,51 @@ from k3bundle.validate.errors import ValidateError
 def weights_for(path: Path, device: str = "cpu") -> Callable[[str], object]:
     """dtype policy -> the executor's weights for ``path``: a bundle's device weights, every
     rank merged, or a source checkpoint (which checks the executor and the goldens against
-    each other)."""
+    each other). Decoded tensors stay resident while they fit (``resident_budget``): the
+    teacher-forced run asks for every layer again at each decode step."""
     if (path / "manifest.json").is_file():
-        return lambda dtype: BundleWeights(path, dtype=dtype, device=device)
+        return lambda dtype: BundleWeights(path, dtype=dtype, device=device,
+                                           resident_bytes=resident_budget(device, dtype))
     if (path / "config.json").is_file():
         return lambda dtype: SourceWeights(path, dtype=dtype, device=device, resident=True)
     raise ValidateError(f"{path}: neither a bundle (manifest.json) nor a checkpoint (config.json)")
 
 
+def with_backend(factory: Callable[[str], object], backend) -> Callable[[str], object]:
+    """``factory`` whose device-policy weights run ``backend``'s kernels; the exact check's float32
+    weights keep the reference (it judges the weights and the cache to the float32 floor)."""
+    def make(dtype: str):
+        w = factory(dtype)
+        if dtype == DEVICE_POLICY:
+            w.backend = backend
+        return w
+
+    return make
+
+
+def backend_label(device: str, backend) -> str:
+    if backend is None:
+        return device
+    own = sorted(backend.ops)
+    return f"{device}, backend {backend.name} ({', '.join(own)}; the rest reference)"
+
+
 def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None,
-                dumps: str | Path | None = None, rank_results: str | Path | None = None) -> Device:
+                dumps: str | Path | None = None, rank_results: str | Path | None = None,
+                backend: str | None = None) -> Device:
     """The device under test: ``dumps`` (an external runtime), one process per rank
-    (``ranks="distributed"``), or the built-in executor in this process."""
+    (``ranks="distributed"``), or the built-in executor in this process; with ``backend``, the
+    built-in executor runs that backend's kernels (``k3bundle.kernels``) in place of the reference's."""
     path = Path(path)
+    kern = None
+    if backend is not None:
+        if dumps is not None:
+            raise ValidateError("--backend runs kernels in the built-in executor; --dumps judges an external "
+                                "runtime's intermediates: give one of them")
+        from k3bundle.kernels.backend import load
+
+        kern = load(backend)
+        kern.setup(device)
     if ranks not in ("merged", "distributed"):
         raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
     if dumps is not None and not Path(dumps).is_dir():
@@ -42,7 +75,10 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
     if ranks == "distributed":
         if not (path / "manifest.json").is_file():
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
-        return Distributed(path, device=device, nproc=nproc, results=rank_results)
+        return Distributed(path, device=device, nproc=nproc, results=rank_results, backend=backend,
+                           name=backend_label(device, kern))
     if rank_results is not None:
         raise ValidateError("--rank-results needs --ranks distributed")
-    return InProcess(factory, device, source=path)
+    if kern is not None:
+        factory = with_backend(factory, kern)
+    return InProcess(factory, backend_label(device, kern), source=path)

@@ -1,7 +1,7 @@
 """A torchrun worker of ``k3bundle validate --ranks distributed`` (see ``distributed.py``).
 
 Usage (launched by validate): ``torchrun --nproc_per_node N -m k3bundle.validate.worker
-BUNDLE VALIDATION_DIR OUT_DIR DEVICE``. Every rank runs every case on its own shard of the
+BUNDLE VALIDATION_DIR OUT_DIR DEVICE [BACKEND]`` (BACKEND: ``k3bundle.kernels`` name, default reference). Every rank runs every case on its own shard of the
 weights through the same ``devices.device_arrays`` as the in-process device; rank 0 writes
 ``OUT_DIR/CASE.npz`` with the device arrays (``cand/…``) and the teacher-forced layer outputs
 (``outs/…``).
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from k3bundle.bundle.weights import BundleWeights
+from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.taps import tap_kind
 from k3bundle.golden.store import read_meta, read_npz, to_numpy, write_npz
 from k3bundle.validate.devices import DEVICE_POLICY, device_arrays
@@ -42,7 +43,7 @@ def _gather_heads(cand: dict[str, torch.Tensor], world: int, device: torch.devic
     return out
 
 
-def main(bundle: str, validation: str, out: str, device: str) -> None:
+def main(bundle: str, validation: str, out: str, device: str, kernels: str = "reference") -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     rank = int(os.environ["RANK"])
     if device.startswith("cuda"):
@@ -50,7 +51,14 @@ def main(bundle: str, validation: str, out: str, device: str) -> None:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend)
     try:
-        weights = BundleWeights(bundle, dtype=DEVICE_POLICY, device=device, rank=rank)
+        sharing = 1 if device.startswith("cuda") else int(os.environ.get("WORLD_SIZE", 1))  # ranks on one RAM
+        weights = BundleWeights(bundle, dtype=DEVICE_POLICY, device=device, rank=rank,
+                                resident_bytes=resident_budget(device, DEVICE_POLICY, sharing))
+        if kernels != "reference":  # the executor on every rank runs these kernels
+            from k3bundle.kernels.backend import load
+
+            weights.backend = load(kernels)
+            weights.backend.setup(device)
         inputs = read_npz(Path(validation) / "golden_inputs.npz")
         inter = read_npz(Path(validation) / "golden_intermediates.npz")
         for entry in read_meta(inter).get("cases", []):
@@ -70,4 +78,4 @@ def main(bundle: str, validation: str, out: str, device: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
