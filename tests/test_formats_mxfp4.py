@@ -167,6 +167,19 @@ def test_dequantize_exact(dtype):
     assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
 
 
+def test_bf16_dequantize_is_exact_for_every_code_byte_and_scale_byte():
+    """bf16 output is computed in bf16: every (byte, scale byte) pair equals the float64 oracle
+    rounded once to bf16, subnormal 2^-128, overflow to Inf and the 0xFF NaN blocks included."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 16)  # every byte in every block row
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, packed.shape[1] * 2 // 32).contiguous()
+    got = mxfp4.dequantize(packed, scales, torch.bfloat16)
+    want = torch.from_numpy(oracle_dequantize(packed, scales)).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == packed.shape[1] * 2
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))  # bits, signed zeros too
+    assert got[ok].isinf().any() and (got[ok].abs() == 2.0**-128).any()
+
+
 def test_dequantize_scale_byte_0_is_2_pow_minus_127_and_ff_is_nan():
     packed = torch.full((1, 32), 0x11, dtype=torch.uint8)  # every code 1 = 0.5
     out = mxfp4.dequantize(packed, torch.tensor([[0, 255]], dtype=torch.uint8))

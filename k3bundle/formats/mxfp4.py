@@ -145,8 +145,9 @@ def dequantize(
 ) -> torch.Tensor:
     """Exact MXFP4 dequantization.
 
-    Computed in f32 (f64 when `dtype` is f64), where every product code * 2^X is
-    exact or overflows to +-Inf (scale bytes >= 253 with large codes), then cast.
+    Computed in f32 (f64 when `dtype` is f64, bf16 when it is bf16), where every
+    product code * 2^X is exact or overflows to +-Inf (scale bytes >= 253 with large
+    codes), then cast; the bf16 result equals the f32 one cast to bf16, bit for bit.
 
     Args:
         packed: uint8 [..., n/2].
@@ -160,9 +161,13 @@ def dequantize(
     if scales.dtype == getattr(torch, "float8_e8m0fnu", None):  # torch >= 2.7
         scales = scales.view(torch.uint8)
     check_shapes(packed, scales, block, "mxfp4.dequantize")
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    # bf16 output is computed in bf16: every code (<= 2 significant bits) and every 2^X (X in
+    # [-127, 127], 2^-127 a bf16 subnormal) is exact in bf16, and a bf16 product is the exact
+    # f32 product rounded once, as the f32 path then cast; half the bytes moved per pass
+    compute = {torch.float64: torch.float64, torch.bfloat16: torch.bfloat16}.get(dtype, torch.float32)
     lead, nb = scales.shape[:-1], scales.shape[-1]
     vals_NB = e2m1.decode_packed(packed, compute).reshape(*lead, nb, block)
-    factor_N = pow2(scales.to(torch.int32) - E8M0_BIAS, compute)
+    factor_N = pow2(scales.to(torch.int32) - E8M0_BIAS, torch.float64 if compute == torch.float64
+                    else torch.float32).to(compute)
     factor_N = torch.where(scales == E8M0_NAN, float("nan"), factor_N)
     return (vals_NB * factor_N[..., None]).reshape(*lead, nb * block).to(dtype)

@@ -1,0 +1,70 @@
+"""MXFP4 -> bf16 decode throughput: k3bundle's codec against its former f32 path and a plain copy.
+
+    python bench/mxfp4_decode.py --device cuda --experts 16     # JSON on stdout
+
+Decodes ``experts`` routed experts at the release's shape (3 projections of 3,072 x 3,584 each
+way: 33 Mi E2M1 codes per expert) with ``formats.mxfp4.dequantize`` to bf16 (computed in bf16)
+and with the f32 path it replaced (decode in f32, scale, cast), checks the two bit for bit, and
+reports GB/s of *packed input* next to the same device's copy bandwidth (read + write of a plain
+``copy_`` of the bf16 output's size: the HBM ceiling of any decode that writes bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executor import copy_bandwidth, timed  # noqa: E402  (bench/executor.py)
+from k3bundle.formats import e2m1, mxfp4  # noqa: E402
+
+
+def f32_path(packed, scales):
+    """The decode as it was: values and scales in f32, one multiply, then the cast."""
+    lead, nb = scales.shape[:-1], scales.shape[-1]
+    vals = e2m1.decode_packed(packed, torch.float32).reshape(*lead, nb, mxfp4.BLOCK)
+    f = mxfp4.pow2(scales.to(torch.int32) - mxfp4.E8M0_BIAS, torch.float32)
+    f = torch.where(scales == mxfp4.E8M0_NAN, float("nan"), f)
+    return (vals * f[..., None]).reshape(*lead, nb * mxfp4.BLOCK).to(torch.bfloat16)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--rows", type=int, default=3 * 3072)
+    p.add_argument("--cols", type=int, default=3584)
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    packed = torch.randint(0, 256, (args.experts, args.rows, args.cols // 2), dtype=torch.uint8, device=dev, generator=g)
+    scales = torch.randint(110, 135, (args.experts, args.rows, args.cols // 32), dtype=torch.uint8, device=dev,
+                           generator=g)
+    scales[0, 0, :3] = torch.tensor([0, 254, 255], dtype=torch.uint8)  # subnormal, overflow, NaN blocks
+    new, old = mxfp4.dequantize(packed, scales, torch.bfloat16), f32_path(packed, scales)
+    equal = torch.equal(new.view(torch.int16), old.view(torch.int16))
+    del new, old
+    in_bytes = packed.numel() + scales.numel()
+    t_new = timed(lambda: mxfp4.dequantize(packed, scales, torch.bfloat16), dev, reps=5)
+    t_old = timed(lambda: f32_path(packed, scales), dev, reps=5)
+    copy = copy_bandwidth(dev, packed.numel() * 4)  # bf16 output bytes
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "experts": args.experts, "packed_input_bytes": in_bytes,
+           "bit_identical": equal,
+           "bf16_path_ms": round(t_new * 1e3, 3), "bf16_path_GBps_packed": round(in_bytes / t_new / 1e9, 1),
+           "f32_path_ms": round(t_old * 1e3, 3), "f32_path_GBps_packed": round(in_bytes / t_old / 1e9, 1),
+           "speedup": round(t_old / t_new, 2), "copy_GBps_read_plus_write": round(copy / 1e9, 1),
+           "ceiling_GBps_packed": round(copy / 1e9 * in_bytes / (in_bytes + packed.numel() * 4), 1)}
+    print(json.dumps(out, indent=1))
+    if not equal:
+        raise SystemExit("bf16 path differs from the f32 path")
+
+
+if __name__ == "__main__":
+    main()
