@@ -7,8 +7,9 @@ made for another layout ticks nothing: per-rank shapes differ between layouts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from k3bundle.checklist.stages import read_report
 
 KERNELS_REPORT = "reports/kernels.json"
 KERNELS_KIND = "k3bundle.kernel_conformance"
@@ -16,13 +17,9 @@ KERNELS_KIND = "k3bundle.kernel_conformance"
 
 def read_kernel_report(bundle: Path, target: str) -> tuple[dict | None, str]:
     """(the report, '') or (None, why it cannot tick anything)."""
-    path = bundle / KERNELS_REPORT
-    if not path.is_file():
-        return None, f"no {KERNELS_REPORT}"
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{KERNELS_REPORT}: not readable JSON ({e})"
+    doc, why = read_report(bundle, KERNELS_REPORT)
+    if doc is None:
+        return None, why
     if not isinstance(doc, dict) or doc.get("kind") != KERNELS_KIND or not isinstance(doc.get("ops"), list):
         return None, f"{KERNELS_REPORT}: not a k3bundle kernels report"
     if doc.get("target") != target:

@@ -87,14 +87,21 @@ def read_goldens(bundle: Path) -> tuple[dict | None, str]:
     return b, ""
 
 
-def read_signoff(bundle: Path) -> tuple[dict | None, str]:
-    path = bundle / SIGNOFF
+def read_report(bundle: Path, rel: str) -> tuple[object | None, str]:
+    """(the parsed JSON of the report ``bundle/rel``, '') or (None, why it cannot be read)."""
+    path = bundle / rel
     if not path.is_file():
-        return None, f"no {SIGNOFF}"
+        return None, f"no {rel}"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8")), ""
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{SIGNOFF}: not readable JSON ({e})"
+        return None, f"{rel}: not readable JSON ({e})"
+
+
+def read_signoff(bundle: Path) -> tuple[dict | None, str]:
+    doc, why = read_report(bundle, SIGNOFF)
+    if doc is None:
+        return None, why
     if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("cases"), list):
         return None, f"{SIGNOFF}: not a k3bundle sign-off report of schema version 1"
     return doc, ""
