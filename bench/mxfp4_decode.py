@@ -1,10 +1,12 @@
-"""MXFP4 -> bf16 decode throughput: k3bundle's codec against its former f32 path and a plain copy.
+"""MXFP4 -> bf16 decode throughput: k3bundle's codec (the Triton kernel on CUDA) against its torch
+form, its former f32 path and a plain copy.
 
     python bench/mxfp4_decode.py --device cuda --experts 16     # JSON on stdout
 
 Decodes ``experts`` routed experts at the release's shape (3 projections of 3,072 x 3,584 each
-way: 33 Mi E2M1 codes per expert) with ``formats.mxfp4.dequantize`` to bf16 (computed in bf16)
-and with the path it replaced (an int64-indexed gather in f32, scale, cast), checks the two bit for bit, and
+way: 33 Mi E2M1 codes per expert) with ``formats.mxfp4.dequantize`` to bf16 (one Triton kernel on CUDA,
+``formats/mxfp4_gpu.py``), with its torch form (``dequantize_torch``: gather, scale, multiply in bf16)
+and with the path that replaced (an int64-indexed gather in f32, scale, cast), checks all three bit for bit, and
 reports GB/s of *packed input* next to the same device's copy bandwidth (read + write of a plain
 ``copy_`` of the bf16 output's size: the HBM ceiling of any decode that writes bf16).
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from executor import copy_bandwidth, timed  # noqa: E402  (bench/executor.py)
-from k3bundle.formats import e2m1, mxfp4  # noqa: E402
+from k3bundle.formats import e2m1, mxfp4, mxfp4_gpu  # noqa: E402
 
 
 def f32_path(packed, scales):
@@ -37,12 +39,19 @@ def f32_path(packed, scales):
     return (vals * f[..., None]).reshape(*lead, nb * mxfp4.BLOCK).to(torch.bfloat16)
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN blocks as NaN (a NaN's payload and sign are not part of the format)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--rows", type=int, default=3 * 3072)
     p.add_argument("--cols", type=int, default=3584)
+    p.add_argument("--sweep", action="store_true", help="also time the kernel's block sizes and warp counts")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -51,22 +60,40 @@ def main(argv=None) -> None:
                            generator=g)
     scales[0, 0, :3] = torch.tensor([0, 254, 255], dtype=torch.uint8)  # subnormal, overflow, NaN blocks
     new, old = mxfp4.dequantize(packed, scales, torch.bfloat16), f32_path(packed, scales)
-    equal = torch.equal(new.view(torch.int16), old.view(torch.int16))
-    del new, old
+    equal = same(new, old)
+    del old
+    portable = mxfp4.dequantize_torch(packed, scales, torch.bfloat16)
+    equal = equal and same(new, portable)
+    del new, portable
     in_bytes = packed.numel() + scales.numel()
     t_new = timed(lambda: mxfp4.dequantize(packed, scales, torch.bfloat16), dev, reps=5)
+    t_torch = timed(lambda: mxfp4.dequantize_torch(packed, scales, torch.bfloat16), dev, reps=5)
+    t_f32 = timed(lambda: mxfp4.dequantize(packed, scales, torch.float32), dev, reps=5)
     t_old = timed(lambda: f32_path(packed, scales), dev, reps=5)
     copy = copy_bandwidth(dev, packed.numel() * 4)  # bf16 output bytes
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "experts": args.experts, "packed_input_bytes": in_bytes,
            "bit_identical": equal,
+           "codec": "triton" if dev.type == "cuda" and mxfp4_gpu.available(packed, torch.bfloat16) else "torch",
            "bf16_path_ms": round(t_new * 1e3, 3), "bf16_path_GBps_packed": round(in_bytes / t_new / 1e9, 1),
+           "torch_form_ms": round(t_torch * 1e3, 3), "torch_form_GBps_packed": round(in_bytes / t_torch / 1e9, 1),
+           "to_f32_ms": round(t_f32 * 1e3, 3), "to_f32_GBps_packed": round(in_bytes / t_f32 / 1e9, 1),
            "f32_path_ms": round(t_old * 1e3, 3), "f32_path_GBps_packed": round(in_bytes / t_old / 1e9, 1),
            "speedup": round(t_old / t_new, 2), "copy_GBps_read_plus_write": round(copy / 1e9, 1),
            "ceiling_GBps_packed": round(copy / 1e9 * in_bytes / (in_bytes + packed.numel() * 4), 1)}
+    if args.sweep and out["codec"] == "triton":
+        keep = mxfp4_gpu.BYTES_PER_PROGRAM, mxfp4_gpu.NUM_WARPS
+        sweep = {}
+        for block in (1024, 2048, 4096, 8192, 16384):
+            for warps in (2, 4, 8, 16):
+                mxfp4_gpu.BYTES_PER_PROGRAM, mxfp4_gpu.NUM_WARPS = block, warps
+                t = timed(lambda: mxfp4.dequantize(packed, scales, torch.bfloat16), dev, reps=5)
+                sweep[f"{block}x{warps}"] = round(in_bytes / t / 1e9, 1)
+        mxfp4_gpu.BYTES_PER_PROGRAM, mxfp4_gpu.NUM_WARPS = keep
+        out["sweep_bf16_GBps_packed"] = sweep
     print(json.dumps(out, indent=1))
     if not equal:
-        raise SystemExit("bf16 path differs from the f32 path")
+        raise SystemExit("the decode paths differ")
 
 
 if __name__ == "__main__":

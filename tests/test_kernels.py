@@ -129,12 +129,14 @@ def test_lut_decode_is_bit_identical_to_the_codec():
 
 
 def test_the_reference_backend_is_the_executor(tiny_ckpt):
-    """Through the op interface the executor computes the same bits as without it."""
+    """Through the op interface the executor computes the same bits as without it, in its
+    readable forms (the reference ops are those forms; the fast ones are tests/test_executor_fast.py's)."""
     from k3bundle.executor import Executor, SourceWeights
 
     w = SourceWeights(tiny_ckpt, dtype="bfloat16", resident=True)
     ids = list(range(3, 150))
-    plain, cache = Executor(w).prefill(ids)
+    plain, cache = Executor(w, forms="readable").prefill(ids)
     via, cache2 = Executor(w, ops=backends.load("reference")).prefill(ids)
     assert torch.equal(plain, via)
-    assert torch.equal(Executor(w).decode(7, cache), Executor(w, ops=backends.load("reference")).decode(7, cache2))
+    assert torch.equal(Executor(w, forms="readable").decode(7, cache),
+                       Executor(w, ops=backends.load("reference")).decode(7, cache2))

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from k3bundle.golden.generate import generate_goldens
-from k3bundle.golden.store import read_npz
+from k3bundle.golden.store import read_meta, read_npz
 from tests.conftest import REPO, run_cli
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -42,7 +42,7 @@ def work(tmp_path_factory, tiny_trained_ckpt):
         convert(tiny_ckpt, str(LAYOUTS / f"{name}.yaml"), out, workers=1)
         shutil.copytree(golden, out / "validation")
         bundles[name] = out
-    return {"root": root, "golden": golden, **bundles}
+    return {"root": root, "golden": golden, "src": tiny_ckpt, **bundles}
 
 
 def _copy(bundle: Path, tmp_path: Path) -> Path:
@@ -223,6 +223,23 @@ def test_dumps_clean_pass_and_perturbed_layer_is_located(work, tmp_path):
     assert _first(data) == (5, "layers.5.mixer_out")
     greedy = next(c for c in data["cases"] if c["name"] == "greedy")
     assert greedy["first_failure"]["mode"] == "emulation"
+
+
+def test_fast_form_goldens_pass_against_readable_form_goldens(work, tmp_path):
+    """The executor's two forms (docs/executor.md "Forms"): goldens made with the batched forms,
+    submitted as a device's dumps, pass against goldens made with the equations as written, and
+    the built-in device passes against the readable goldens too."""
+    bundle = _copy(work["tiny-tp2"], tmp_path)
+    shutil.rmtree(bundle / "validation")
+    generate_goldens(work["src"], out=bundle / "validation", cases_dir=work["root"] / "cases",
+                     long_tokens=300, forms="readable")
+    assert read_meta(read_npz(bundle / "validation" / "golden_intermediates.npz"))["forms"] == "readable"
+    assert read_meta(read_npz(work["golden"] / "golden_intermediates.npz"))["forms"] == "fast"
+    fast = _dumps_from_golden(work["golden"], tmp_path / "fast")
+    r, data = _validate(bundle, "--dumps", str(fast), "--out", str(tmp_path / "r1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    r, data = _validate(bundle, "--out", str(tmp_path / "r2"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_bf16_dump_of_the_golden_values_passes(work, tmp_path):

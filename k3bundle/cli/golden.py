@@ -28,21 +28,29 @@ def golden(
     noise: Annotated[bool, typer.Option(help="Also run each case in BF16 and store the reference's own BF16 noise, "
                                              "which free-running limits widen to (docs/validation.md); about 1.5x the time.")] = True,
     seed: Annotated[int, typer.Option(help="Seed recorded with the goldens.")] = 0,
+    forms: Annotated[str, typer.Option(help="fast (default): the executor's batched exact forms; readable: the "
+                                            "equations as written, one chunk and one expert at a time (slower; "
+                                            "the same function, docs/executor.md \"Forms\").")] = "fast",
     json_: JsonOpt = False,
 ) -> None:
     """Run every case teacher-forced and greedy; write golden inputs, intermediates and tolerances."""
+    if forms not in ("fast", "readable"):
+        raise typer.BadParameter(f"--forms must be fast or readable, got {forms!r}")
     if dtype not in ("float32", "float64"):
         raise typer.BadParameter(f"--dtype must be float32 or float64 for goldens, got {dtype!r}")
     with progress_bar("golden", enabled=not json_) as update:
         r = generate_goldens(source, out=out, cases_dir=cases, dtype=dtype, device=device,
                              tolerance=tolerances, long_tokens=long_tokens, seed=seed, noise=noise,
-                             progress=update)
-    lines = [f"wrote {r.out}: {r.bytes_intermediates:,} bytes of intermediates, content hash {r.content_hash[:16]}…"]
+                             progress=update, forms=forms)
+    lines = [f"wrote {r.out}: {r.bytes_intermediates:,} bytes of intermediates, content hash {r.content_hash[:16]}…",
+             f"  weights {r.weights}, peak {'GPU memory' if device.startswith('cuda') else 'RSS'} "
+             f"{r.peak_device_bytes / 2**30:.2f} GiB"]
     for c in r.cases:
         if c["status"] == "ok":
             lines.append(f"  {c['name']:<13} {c['kind']:<13} {c['tokens']:>6} tokens, "
-                         f"{c['tapped_positions']} tapped positions, {c['steps']} greedy steps")
+                         f"{c['tapped_positions']} tapped positions, {c['steps']} greedy steps, {c['seconds']:.1f} s")
         else:
             lines.append(f"  {c['name']:<13} {c['kind']:<13} not run: {c['reason']}")
     Output(json_).result("\n".join(lines), {"out": str(r.out), "content_hash": r.content_hash,
-                                            "bytes_intermediates": r.bytes_intermediates, "cases": r.cases})
+                                            "bytes_intermediates": r.bytes_intermediates, "cases": r.cases,
+                                            "peak_device_bytes": r.peak_device_bytes, "weights": r.weights})

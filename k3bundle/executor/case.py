@@ -51,7 +51,7 @@ def _state_kind(s) -> str:
 def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
              tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
              snapshot_at: Sequence[int] | None = None, record_routes: bool = False,
-             after_step: Callable[[int, ModelCache], None] | None = None) -> CaseRun:
+             after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast") -> CaseRun:
     """Prefill ``ids`` recording every tap at ``positions``, then decode.
 
     Args:
@@ -64,6 +64,7 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
         record_routes: record every position's expert choice (``routes.…``).
         after_step: ``after_step(i, cache)`` after decode step i's states are kept: a serving
             engine's cache handling between steps (calibration plants serving-path faults here).
+        forms: the executor's "fast" (batched) or "readable" forms of the same equations.
     """
     positions = [int(p) for p in positions]
     steps = len(tokens) if tokens is not None else steps
@@ -73,7 +74,7 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
     if record_routes:
         routes = TapRecorder(names=["layers.*.router_ids"])
         recorders.append(routes)
-    ex = Executor(weights, taps=recorders, forced_routes=forced_routes)
+    ex = Executor(weights, taps=recorders, forced_routes=forced_routes, forms=forms, all_logits=False)
     logits_TV, cache = ex.prefill(list(ids), snapshot_at=snapshot_at or ())
 
     out: dict[str, torch.Tensor] = {"positions": torch.tensor(positions, dtype=torch.long)}
@@ -122,10 +123,10 @@ def golden_routes(golden) -> dict[str, torch.Tensor]:
 
 
 def replay_case(weights, golden, ids: Sequence[int],
-                after_step: Callable[[int, ModelCache], None] | None = None) -> CaseRun:
+                after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast") -> CaseRun:
     """A golden case run again: the golden routes replayed and decode fed the golden tokens, so
     every array stays comparable with the golden one after a near tie (validate's built-in
     device, and the goldens' own BF16 noise)."""
     return run_case(weights, [int(i) for i in ids], [int(p) for p in golden["positions"]],
                     tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
-                    after_step=after_step)
+                    after_step=after_step, forms=forms)

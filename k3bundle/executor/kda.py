@@ -44,12 +44,17 @@ CHUNK = 64
 CONV_ROLES = (("kda.q_proj", "kda.q_conv"), ("kda.k_proj", "kda.k_conv"), ("kda.v_proj", "kda.v_conv"))
 
 
+CONV_ROW_BLOCK = 8192  # tokens per block of the conv's [T, P, kernel] windows (rows are independent)
+
+
 def short_conv(u_TP: torch.Tensor, w_P1K: torch.Tensor, state_WP: torch.Tensor, c: torch.dtype):
     """(K1) depthwise causal conv + SiLU; returns (c̃ [T, P], the extended input [W+T, P])."""
     ext_SP = torch.cat([state_WP.to(u_TP.dtype), u_TP])  # rows t..t+3 of ext are u_{t-3}..u_t
     win_TPK = ext_SP.unfold(0, w_P1K.shape[-1], 1)  # [T, P, kernel]; tap i=3 is the current token
     # the conv kernels are F32 in the checkpoint: accumulate in the state dtype
-    out_TP = F.silu((win_TPK.to(c) * w_P1K[:, 0].to(c)).sum(-1))  # (K1)
+    w_PK = w_P1K[:, 0].to(c)
+    out_TP = torch.cat([F.silu((win_TPK[s:s + CONV_ROW_BLOCK].to(c) * w_PK).sum(-1))  # (K1)
+                        for s in range(0, win_TPK.shape[0], CONV_ROW_BLOCK)])
     return out_TP.to(u_TP.dtype), ext_SP
 
 
@@ -96,6 +101,79 @@ def chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, chunk: int = CHUNK, boun
     return o_HTV.transpose(0, 1), S_HKV, saved
 
 
+def subchunk(chunk: int, lower: float) -> int:
+    """The sub-chunk length of ``chunked_batched``: decay factors up to e^(|lower|·B) ≤ e^80 stay
+    finite and normal in FP32 (e^±80 ≈ 5.5e34 / 1.8e-35), B dividing the chunk."""
+    return next(b for b in (16, 8, 4, 2, 1) if chunk % b == 0 and abs(lower) * b <= 80)
+
+
+def chunked_batched(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, chunk: int = CHUNK, lower: float = -5.0,
+                    block_tokens: int = 4096, boundaries=()):
+    """(K5) the chunked form with every chunk's intra-chunk work batched; returns (o [T, H, V],
+    final S, {n: S after n tokens} at the ``boundaries``, chunk multiples or T).
+
+    The same equations as ``chunked`` (module docstring), rearranged so that only the state
+    update runs chunk by chunk. Per chunk, U = u − w S₀ with u = (I + A)⁻¹ β V and
+    w = (I + A)⁻¹ β (e^Γ ⊙ K), so O = M u + (e^Γ ⊙ Q − M w) S₀: A, M, u, w and both products
+    are computed for all chunks and heads at once. A and M come as matmuls: in sub-chunk i
+    (rows iB..iB+B−1) D[t,s] = e^(Γ_t − r_i) · e^(r_i − Γ_s) with r_i = Γ before sub-chunk i,
+    both factors ≤ 1 for s before the sub-chunk and within e^(±|lower|·B) inside it. Tokens
+    past T pad the last chunk with q = k = v = g = β = 0, which leaves S and every real row as
+    they are. ``block_tokens`` (a chunk multiple) bounds the memory of the batched tensors. The
+    states at chunk boundaries fall out of the chunk-by-chunk update, so a run that keeps
+    snapshots computes exactly what one that keeps none does.
+    """
+    T, outs, saved = q_THK.shape[0], [], {}
+    for s0 in range(0, T, block_tokens):
+        p = slice(s0, s0 + block_tokens)
+        o, S_HKV, S0 = _chunk_block(q_THK[p], k_THK[p], v_THV[p], g_THK[p], beta_TH[p], S_HKV, chunk,
+                                    subchunk(chunk, lower))
+        outs.append(o)
+        for b in boundaries:
+            if s0 < b < s0 + o.shape[0]:
+                saved[b] = S0[:, (b - s0) // chunk].clone()  # the state before that chunk
+            elif b == s0 + o.shape[0]:
+                saved[b] = S_HKV.clone()
+    return torch.cat(outs), S_HKV, saved
+
+
+def _chunk_block(q_THK, k_THK, v_THV, g_THK, beta_TH, S_HKV, C: int, B: int):
+    T = q_THK.shape[0]
+    n = -(-T // C)
+    pad = n * C - T
+
+    def grid(x):  # [T, H, *] -> [H, n, C, *], zero rows past T
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+        return x.reshape(n, C, *x.shape[1:]).movedim(2, 0)
+    q, k, v, g, beta = grid(q_THK), grid(k_THK), grid(v_THV), grid(g_THK), grid(beta_TH)
+    G = g.cumsum(2)  # Γ_t from the chunk start
+    A, M = (q.new_zeros(*q.shape[:3], C) for _ in range(2))
+    for i in range(C // B):
+        t, upto = slice(i * B, (i + 1) * B), (i + 1) * B
+        r = G[:, :, i * B - 1, None] if i else torch.zeros_like(G[:, :, :1])  # Γ before sub-chunk i
+        left = (G[:, :, t] - r).exp()  # ≤ 1
+        k_right = k[:, :, :upto] * (r - G[:, :, :upto]).exp()  # ≤ 1 before the sub-chunk
+        M[:, :, t, :upto] = (q[:, :, t] * left) @ k_right.transpose(-1, -2)  # (K5) Σ_j q_t k_s D[t,s]
+        A[:, :, t, :upto] = (k[:, :, t] * left) @ k_right.transpose(-1, -2)  # (K5) Σ_j k_t k_s D[t,s]
+    M = M.tril()  # s <= t
+    A = (beta[..., None] * A).tril(-1)  # (K5) A[t,s] = β_t Σ_j k_t k_s D[t,s], s < t
+    eG = G.exp()
+    rhs = torch.cat([beta[..., None] * v, beta[..., None] * (k * eG)], -1)  # β V | β (e^Γ ⊙ K)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    uw = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # (K5)
+    u, w = uw[..., :v.shape[-1]], uw[..., v.shape[-1]:]
+    Mu, Qw = M @ u, q * eG - M @ w  # O = M u + (e^Γ ⊙ Q − M w) S₀
+    decay = G[:, :, -1]  # Γ_C
+    k_dec = k * (decay[:, :, None] - G).exp()  # e^(Γ_C − Γ_s) ⊙ k_s
+    S0 = q.new_empty(q.shape[0], n, *S_HKV.shape[1:])
+    for j in range(n):  # (K5) the state, chunk by chunk: S_C = e^(Γ_C) ⊙ S₀ + Σ_s (e^(Γ_C−Γ_s) k_s) u_sᵀ
+        S0[:, j] = S_HKV
+        U = u[:, j] - w[:, j] @ S_HKV
+        S_HKV = decay[:, j].exp()[..., None] * S_HKV + k_dec[:, j].transpose(-1, -2) @ U
+    O = Mu + Qw @ S0  # (K5) o_t = S_tᵀ q_t
+    return O.movedim(0, 2).reshape(n * C, *O.shape[:1], O.shape[-1])[:T], S_HKV, S0
+
+
 def gates(q_THK, k_THK, v_THV, z_THK, b_TH, A_log_H, dt_HK, lower: float, c: torch.dtype):
     """(K2-K4) the delta rule's inputs from the projections, in the state dtype ``c``:
     (q, k, v, g = log α, β). K = q's last dim, H heads from ``A_log_H`` (already sliced)."""
@@ -120,13 +198,17 @@ class KDAOut:
 # Batched forms (varlen ``cu_seqlens``, decode batches) loop over requests: the equations above,
 # once per request, so the executor with no backend is exactly these lines.
 
-def kda_chunked_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, *, lower_bound, chunk=CHUNK):
+def kda_chunked_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, *, lower_bound, chunk=CHUNK,
+                        fast=False):
     c, cu = state.dtype, [int(x) for x in cu_seqlens]
     outs, finals = [], []
     for n in range(len(cu) - 1):
         p = slice(cu[n], cu[n + 1])
         args = gates(q[p], k[p], v[p], g[p], beta[p], A_log, dt_bias, lower_bound, c)  # (K2-K4)
-        o, S, _ = chunked(*args, state[n], chunk)  # (K5)
+        if fast:
+            o, S, _ = chunked_batched(*args, state[n], chunk, lower_bound)  # (K5)
+        else:
+            o, S, _ = chunked(*args, state[n], chunk)  # (K5)
         outs.append(o)
         finals.append(S)
     return torch.cat(outs), torch.stack(finals)
@@ -150,7 +232,7 @@ def causal_short_conv1d_with_state(u, weight, state):
 
 
 def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bool = False,
-            chunk: int = CHUNK, boundaries=(), ops: Backend = REFERENCE) -> KDAOut:
+            chunk: int = CHUNK, boundaries=(), ops: Backend = REFERENCE, fast: bool = True) -> KDAOut:
     """KDA(x) for T new tokens after ``state``.
 
     Args:
@@ -159,6 +241,7 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
         decode: use the recurrence (else the chunked form).
         boundaries: token counts (multiples of ``chunk``) at which to return state snapshots.
         ops: the backend whose conv and delta-rule kernels run (docs/kernels.md).
+        fast: where the backend has no prefill kernel, ``chunked_batched`` rather than ``chunked``.
 
     Returns:
         ``KDAOut``: KDA(x) [T, D], the state after the T tokens, {n: state after n tokens}.
@@ -194,6 +277,10 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
                                  lower_bound=lower)
             o_parts.append(o_1HV)
             S_HKV = S_1HKV[0]
+    elif fast and not ops.provides("kda_chunked_prefill"):  # (K5) batched; snapshots from its state updates
+        args = gates(q_THK, k_THK, v_THV, z_THK, b_TH, A_log_H, dt_HK, lower, c)  # (K2-K4)
+        o_THV, S_HKV, saved = chunked_batched(*args, S_HKV, chunk, lower, boundaries=boundaries)  # (K5)
+        o_parts.append(o_THV)
     else:  # (K5) the chunked form; cut at the snapshot boundaries (chunk multiples: exact)
         prefill, s = ops.op("kda_chunked_prefill", kda_chunked_prefill), 0
         for e in sorted({*boundaries, T}):

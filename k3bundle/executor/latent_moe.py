@@ -18,6 +18,7 @@ Legend: T tokens, D model width, E experts, K top-k, Lr latent width, I expert w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,10 @@ import torch
 from k3bundle.config import TextConfig
 from k3bundle.executor.norms import compute_dtype, linear, rms_norm
 from k3bundle.executor.situ_glu import glu
+from k3bundle.executor.weights import EXPERT_ROLES
+from k3bundle.formats import mxfp4
 from k3bundle.ops.contract import REFERENCE, Backend
+from k3bundle.ops.expert_weight import ExpertWeight
 
 RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwise
 
@@ -118,9 +122,112 @@ def routed(z_TL, ids_TK, w_TK, expert, situ_beta: float, situ_cap: float) -> tor
     return r_TL
 
 
+#: decoded weights of one batched group of experts, and the per-pair outputs (at 4 bytes an
+#: element) of one token block: what the fast form holds at once beyond the layer's own weights
+GROUP_BYTES = {"cuda": 4 << 30, "cpu": 16 << 20}
+PAIR_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
+
+
+def routed_grouped(z_TL, ids_TK, w_TK, stored_expert, situ_beta: float, situ_cap: float) -> torch.Tensor:
+    """(R5) as ``routed``, batched. The (token, slot) pairs are sorted by expert once; the touched
+    experts run in groups of similar token counts, each group's weights decoded into one stacked
+    buffer (MXFP4 straight from the stored bytes, one codec launch per projection on CUDA) and its
+    tokens as one batched GEMM per projection (zero rows pad a group: their outputs are dropped);
+    the K terms of a token are then summed at once. The same products as ``routed``; the GEMMs'
+    blocking and the order of the K-term sum differ. Tokens run in blocks so that the per-pair
+    outputs stay under ``PAIR_BYTES``; each block decodes its experts once."""
+    T, K = ids_TK.shape
+    dev = "cuda" if z_TL.is_cuda else "cpu"
+    block = max(1, PAIR_BYTES[dev] // max(1, K * z_TL.shape[1] * 4))
+    if T > block:
+        return torch.cat([routed_grouped(z_TL[s:s + block], ids_TK[s:s + block], w_TK[s:s + block], stored_expert,
+                                         situ_beta, situ_cap) for s in range(0, T, block)])
+    flat_P = ids_TK.reshape(-1)
+    order_P = torch.argsort(flat_P, stable=True)  # pairs t·K + k by expert, tokens ascending within one
+    experts, counts = torch.unique_consecutive(flat_P[order_P], return_counts=True)
+    table = torch.stack([experts, torch.cumsum(counts, 0) - counts, counts]).tolist()  # the one host sync
+    spans = sorted(zip(*table), key=lambda s: -s[2])  # (expert, first sorted pair, pairs), most tokens first
+    y_PL = z_TL.new_zeros(T * K, z_TL.shape[1])  # E_i(z) of pair t·K + k (another rank's experts: 0)
+    group: list = []
+    for e, start, n in spans:
+        E = stored_expert(e)
+        if E is None:  # owned by another expert-parallel rank
+            continue
+        group.append((order_P[start:start + n], E))
+        if len(group) * _expert_bytes(E, z_TL.element_size()) >= GROUP_BYTES[dev]:
+            _run_group(group, z_TL, K, y_PL, situ_beta, situ_cap)
+            group = []
+    if group:
+        _run_group(group, z_TL, K, y_PL, situ_beta, situ_cap)
+    c = w_TK.dtype  # (R5) Σ w_i E_i(z) in the combine dtype (FP32; FP64 under float64)
+    return (w_TK[..., None] * y_PL.view(T, K, -1).to(c)).sum(1)
+
+
+def _expert_bytes(E, esize: int) -> int:
+    return sum(math.prod(_logical_shape(w)) for w in E.values()) * esize
+
+
+def _stored(w):
+    """The stored MXFP4 form of ``w`` where it still has to be decoded, else None."""
+    return w.mxfp4() if isinstance(w, ExpertWeight) and not w.decoded else None
+
+
+def _logical_shape(w) -> tuple[int, int]:
+    stored = _stored(w)
+    if stored is not None:
+        return stored[0].shape[0], stored[0].shape[1] * 2
+    return tuple((w.value() if isinstance(w, ExpertWeight) else w).shape)
+
+
+def _stack(ws: list, out: torch.Tensor) -> None:
+    """``out[g]`` <- the logical weight of ``ws[g]``: MXFP4 decoded straight into the stack where
+    every source keeps its stored form on this device (the codec, bit for bit), else copied."""
+    stored = [_stored(w) for w in ws]
+    if all(s is not None and s[0].device == out.device for s in stored):
+        p0, s0 = stored[0]
+        mxfp4.dequantize_stack([p for p, _ in stored], [s for _, s in stored], out,
+                               block=2 * p0.shape[-1] // s0.shape[-1])
+        return
+    for g, w in enumerate(ws):
+        out[g].copy_(w.value() if isinstance(w, ExpertWeight) else w)
+
+
+#: at most this many tokens per expert (a decode step's): the projections read the MXFP4 bytes
+#: directly (``mxfp4.matmul_stack``), no decoded weight is ever written
+DIRECT_TOKENS = 4
+
+
+def _run_group(group, z_TL, K: int, y_PL, situ_beta, situ_cap) -> None:
+    """One group's E_i(z) (R5, S3) as batched GEMMs; writes each pair's row of ``y_PL``."""
+    G, N = len(group), group[0][0].numel()  # the first expert has the most tokens
+    stacks, mm = {}, linear
+    direct = N <= DIRECT_TOKENS and all(mxfp4.matmul_available(z_TL, [_stored(E[r]) for _, E in group])
+                                        for r in EXPERT_ROLES)
+    for role in EXPERT_ROLES:
+        if direct:  # the stored bytes themselves, decoded inside the matmul
+            stacks[role] = [_stored(E[role]) for _, E in group]
+            continue
+        stacks[role] = z_TL.new_empty(G, *_logical_shape(group[0][1][role]))
+        _stack([E[role] for _, E in group], stacks[role])
+    if direct:
+        mm = lambda x, w: mxfp4.matmul_stack(x, [p for p, _ in w], [s for _, s in w])  # noqa: E731
+    dev = z_TL.device
+    pairs_R = torch.cat([p for p, _ in group])  # pair indices t·K + k, expert by expert
+    # each pair's (expert in the group, row in its block), built on the device from the counts
+    n_G = torch.tensor([p.numel() for p, _ in group]).to(dev, non_blocking=True)
+    g_R = torch.repeat_interleave(torch.arange(G, device=dev), n_G, output_size=pairs_R.numel())
+    j_R = torch.arange(pairs_R.numel(), device=dev) - (torch.cumsum(n_G, 0) - n_G)[g_R]
+    X_GNL = z_TL.new_zeros(G, N, z_TL.shape[1])
+    X_GNL[g_R, j_R] = z_TL[pairs_R // K]
+    Y_GNL = glu(X_GNL, stacks["moe.expert.w1"], stacks["moe.expert.w3"], stacks["moe.expert.w2"],
+                situ_beta, situ_cap, mm)  # (R5) E_i(z), one batched GEMM per projection
+    y_PL[pairs_R] = Y_GNL[g_R, j_R]
+
+
 def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | None = None,
-            ops: Backend = REFERENCE) -> MoEOut:
-    """MoE(x) for the post_attention_layernorm output x, and the route it took."""
+            ops: Backend = REFERENCE, fast: bool = True) -> MoEOut:
+    """MoE(x) for the post_attention_layernorm output x, and the route it took; ``fast`` picks
+    ``routed_grouped`` over ``routed`` where no backend brings its own grouped GEMM."""
     act, c = x_TD.dtype, compute_dtype(x_TD)
     r = route(x_TD, W["moe.router"], W["moe.router_bias"], text, forced_TK, ops)  # (R1-R3)
     z_TL = linear(x_TD, W["moe.latent_down"])  # (R4)
@@ -129,7 +236,10 @@ def forward(x_TD: torch.Tensor, W, text: TextConfig, forced_TK: torch.Tensor | N
     if ops.provides(op):
         r_TL = ops.ops[op](z_TL, r.ids_TK, r.weights_TK.to(c), W.stored_expert, situ_beta=beta, situ_cap=cap)
     else:
-        r_TL = routed(z_TL, r.ids_TK, r.weights_TK.to(c), W.expert, beta, cap)  # (R5)
+        if fast:
+            r_TL = routed_grouped(z_TL, r.ids_TK, r.weights_TK.to(c), W.stored_expert, beta, cap)  # (R5)
+        else:
+            r_TL = routed(z_TL, r.ids_TK, r.weights_TK.to(c), W.expert, beta, cap)  # (R5)
     # the weighted sum is one tensor across EP/TP ranks before the norm (R6 needs all of r)
     r_TL = W.reduce(r_TL.to(c)).to(act)
     routed_TD = linear(rms_norm(r_TL, W["moe.latent_norm"], text.rms_norm_eps), W["moe.latent_up"])  # (R6)

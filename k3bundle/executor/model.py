@@ -47,6 +47,9 @@ from k3bundle.executor.taps import TapRecorder
 from k3bundle.executor.weights import WeightSource
 from k3bundle.ops.contract import REFERENCE, Backend
 
+#: the executor's two forms of the same equations: batched for speed, as written for reading
+FORMS = ("fast", "readable")
+
 #: teacher forcing: full-sequence tap by name ([T, ...]), or None where the feed has none
 Feed = Callable[[str], "torch.Tensor | None"]
 
@@ -81,8 +84,16 @@ class Executor:
 
     def __init__(self, weights: WeightSource, taps: TapRecorder | Sequence[TapRecorder] | None = None,
                  chunk: int = kda.CHUNK, forced_routes: dict[str, torch.Tensor] | None = None,
-                 ops: Backend | None = None):
+                 ops: Backend | None = None, forms: str = "fast", all_logits: bool = True):
+        if forms not in FORMS:
+            raise ExecutorError(f"forms must be one of {', '.join(FORMS)}, not {forms!r}")
         self.w = weights
+        # "fast": the batched exact forms (kda.chunked_batched, latent_moe.routed_grouped);
+        # "readable": the equations as written. Same function; docs/executor.md "Forms".
+        self.forms = forms
+        # False: a prefill's logits only at the rows a recorder taps and the last one (what
+        # greedy decode reads): a 131,072-token prompt's full logits would be 86 GB in FP32
+        self.all_logits = all_logits
         # the device's kernels: given, else the weight source's (``WeightSource.backend``), else the reference
         self.ops = ops or getattr(weights, "backend", None) or REFERENCE
         self.text = weights.config.text
@@ -192,6 +203,18 @@ class Executor:
             rel.append(n)
         return rel
 
+    def _logit_rows(self, start: int, T: int) -> list[int] | None:
+        """Rows of this forward whose logits anyone reads (None: all of them)."""
+        if self.all_logits or T == 1:
+            return None
+        wanted = set()
+        for r in self.recorders:
+            if r.wants("logits"):
+                if r.positions is None:
+                    return None
+                wanted |= {p - start for p in r.positions if start <= p < start + T}
+        return sorted(wanted - {T - 1}) + [T - 1]
+
     def _tap(self, name: str, value: torch.Tensor, start: int) -> None:
         for r in self.recorders:
             r.record(name, value, start)
@@ -219,10 +242,11 @@ class Executor:
         n_TD = rms_norm(fed("attn_res_out", x_TD), W["input_norm"], eps)
         state = cache.layers[l]
         if t.is_mla(l):
-            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode, ops=self.ops).out_TD  # (M1-M5)
+            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode, ops=self.ops, fast=self.forms == "fast").out_TD  # (M1-M5)
             snaps = {n: state.truncated(start + n) for n in boundaries}
         else:
-            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries, self.ops)  # (K1-K7)
+            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries, self.ops,
+                                fast=self.forms == "fast")  # (K1-K7)
             cache.layers[l] = mixer.state
             a_TD, snaps = mixer.out_TD, mixer.snapshots
         stream.add_mixer(fed("mixer_out", a_TD))  # (A2.4)
@@ -232,7 +256,8 @@ class Executor:
         if t.is_moe(l):
             forced = self.forced_routes.get(f"layers.{l}.router_ids")
             forced = None if forced is None else forced[start:start + m_TD.shape[0]]
-            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False), self.ops)  # (R1-R7)
+            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False), self.ops,
+                                     fast=self.forms == "fast")  # (R1-R7)
             f_TD, route = moe.out_TD, moe.route
         else:
             f_TD = situ_glu.dense(m_TD, W, t)  # (D1)
@@ -259,8 +284,15 @@ class Executor:
         h_TD = stream.output(g("out_res.norm"), g("out_res.proj"))  # h_final = AttnRes_out(B ++ [S])
         self._tap("final_hidden", h_TD, start)
         h_in = self._fed(feed, "final_hidden", h_TD)
+        rows = self._logit_rows(start, h_in.shape[0]) if feed is None and collect is None else None
+        if rows is not None:
+            h_in = h_in[torch.tensor(rows, device=h_in.device)]
         logits_TV = self.w.gather_vocab(head.logits(h_in, g("final_norm"), g("lm_head"), eps))  # (F1)
-        self._tap("logits", logits_TV, start)
+        if rows is None:
+            self._tap("logits", logits_TV, start)
+        else:  # the rows computed, the last one last
+            for r in self.recorders:
+                r.record("logits", logits_TV, start, positions=[start + i for i in rows])
         if collect is not None:
             collect.update(final_hidden=h_TD, logits=logits_TV)
         cache.length = start + h0_TD.shape[0]

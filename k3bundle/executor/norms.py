@@ -27,7 +27,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def linear(x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """"Linear W x" of the spec: x · Wᵀ with W stored [out, in]; bias-free everywhere."""
-    return x @ w_OI.T
+    return x @ w_OI.mT  # mT: a stack of weights [G, out, in] runs as one batched GEMM
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

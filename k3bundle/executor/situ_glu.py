@@ -27,17 +27,25 @@ def cap(u: torch.Tensor, limit: float) -> torch.Tensor:
     return limit * torch.tanh(u / limit)  # (S2)
 
 
-def glu(x_TD: torch.Tensor, w_gate_ID: torch.Tensor, w_up_ID: torch.Tensor, w_down_DI: torch.Tensor,
-        beta: float, limit: float) -> torch.Tensor:
-    """(S3) for any of the three FFN kinds; returns the activation dtype."""
+#: tokens per block of a long prompt's FFN: a 131,072-token dense layer would otherwise hold three
+#: [T, 33792] FP32 intermediates (53 GB); rows are independent, so blocks compute the same rows
+ROW_BLOCK = 8192
+
+
+def glu(x_TD: torch.Tensor, w_gate_ID, w_up_ID, w_down_DI, beta: float, limit: float, mm=linear) -> torch.Tensor:
+    """(S3) for any of the three FFN kinds; returns the activation dtype. ``mm(x, w)`` is the
+    projection (``linear``; the fast MoE form passes one that reads MXFP4 weights directly)."""
+    if x_TD.dim() == 2 and x_TD.shape[0] > ROW_BLOCK:
+        return torch.cat([glu(x_TD[s:s + ROW_BLOCK], w_gate_ID, w_up_ID, w_down_DI, beta, limit, mm)
+                          for s in range(0, x_TD.shape[0], ROW_BLOCK)])
     c = compute_dtype(x_TD)
     # the activation is computed in FP32 from the activation-dtype projections (S3)
-    gate_TI = linear(x_TD, w_gate_ID).to(c)
-    up_TI = linear(x_TD, w_up_ID).to(c)
+    gate_TI = mm(x_TD, w_gate_ID).to(c)
+    up_TI = mm(x_TD, w_up_ID).to(c)
     h_TI = situ(gate_TI, beta) * cap(up_TI, limit)  # (S3)
     # cast back before the down projection, as a serving kernel's bf16 GEMM input
     h_TI = h_TI.to(x_TD.dtype)
-    return linear(h_TI, w_down_DI)  # (S3)
+    return mm(h_TI, w_down_DI)  # (S3)
 
 
 def dense(x_TD: torch.Tensor, W, text: TextConfig) -> torch.Tensor:

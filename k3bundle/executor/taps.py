@@ -137,27 +137,56 @@ class TapRecorder:
         self.positions = None if positions is None else set(int(p) for p in positions)
         self._rows: dict[str, dict[int, torch.Tensor]] = {}
         self._states: dict[str, torch.Tensor] = {}
+        self._pending: list = []  # CUDA events of copies still in flight to pinned host memory
 
     def wants(self, name: str) -> bool:
         return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
-    def record(self, name: str, value: torch.Tensor, start: int) -> None:
-        """``value`` has one row per token, tokens at positions start, start+1, ..."""
+    def record(self, name: str, value: torch.Tensor, start: int, positions: Iterable[int] | None = None) -> None:
+        """``value`` has one row per token, tokens at positions start, start+1, ... (or at
+        ``positions``, one per row). The wanted rows leave the device in one copy."""
         if not self.wants(name):
             return
-        for i in range(value.shape[0]):
-            if self.positions is None or start + i in self.positions:
-                self._rows.setdefault(name, {})[start + i] = value[i].detach().to("cpu", copy=True)
+        at = list(range(start, start + value.shape[0])) if positions is None else [int(p) for p in positions]
+        keep = [i for i, p in enumerate(at) if self.positions is None or p in self.positions]
+        if not keep:
+            return
+        rows = value.detach()
+        if len(keep) < rows.shape[0]:
+            rows = rows[torch.tensor(keep, device=rows.device)]
+        host = self._to_host(rows)
+        mine = self._rows.setdefault(name, {})
+        for j, i in enumerate(keep):
+            mine[at[i]] = host[j]
 
     def record_state(self, name: str, value: torch.Tensor) -> None:
         if self.wants(name):
-            self._states[name] = value.detach().to("cpu", copy=True)
+            self._states[name] = self._to_host(value.detach())
+
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``x``; from a CUDA device, into pinned memory without waiting for it
+        (the device runs on; reading a tap waits for the copies in flight)."""
+        if not x.is_cuda:
+            return x.to("cpu", copy=True)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(x.device))
+        self._pending.append(done)
+        return host
+
+    def _settle(self) -> None:
+        for done in self._pending:
+            done.synchronize()
+        self._pending.clear()
 
     # ---- reading ----
     def names(self) -> list[str]:
+        self._settle()
         return list(self._rows) + list(self._states)
 
     def positions_of(self, name: str) -> list[int]:
+        self._settle()
         return sorted(self._rows[name])
 
     def __contains__(self, name: str) -> bool:
@@ -165,6 +194,7 @@ class TapRecorder:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """Per-position taps stacked in position order [P, ...]; state taps as recorded."""
+        self._settle()
         if name in self._states:
             return self._states[name]
         rows = self._rows[name]

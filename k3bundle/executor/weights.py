@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,11 +182,16 @@ class SourceWeights(WeightSource):
         resident (`bool`): keep non-expert tensors after first use (fast decode of small models).
         expert_cache (`int`, optional): experts kept per MoE layer for decode; default top-k,
             reduced so that the whole cache stays under ``expert_cache_bytes``.
+        prefetch (`bool`): stream with read-ahead: while layer l computes, a reader thread
+            brings layer l+1 (l = last: layer 0, the next forward's first) onto the device, on
+            a side stream where the device is CUDA; for a prefill it also brings that layer's
+            routed experts as stored (MXFP4 bytes), since a prefill routes to most of them. So
+            the device holds two layers, never the model (``docs/executor.md`` "Streaming").
     """
 
     def __init__(self, source: SourceCheckpoint | str | Path, dtype: str = "float32",
                  device: str | torch.device = "cpu", resident: bool = False,
-                 expert_cache: int | None = None, expert_cache_bytes: int = 512 << 20):
+                 expert_cache: int | None = None, expert_cache_bytes: int = 512 << 20, prefetch: bool = False):
         self.src = source if isinstance(source, SourceCheckpoint) else SourceCheckpoint(source)
         self.config = self.src.config
         self.schema: Schema = self.src.schema
@@ -204,6 +211,10 @@ class SourceWeights(WeightSource):
         self.expert_cache = min(t.num_experts_per_token, fit) if expert_cache is None else expert_cache
         self._experts: dict[int, OrderedDict[int, dict[str, torch.Tensor]]] = {}
         self.expert_reads = 0  # experts read + dequantized (a test/bench counter)
+        self.prefetch = prefetch and not resident
+        self._ahead: dict[int, Future] = {}  # layer -> its tensors (and stored experts) being read
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="k3prefetch") if self.prefetch else None
+        self._stream = torch.cuda.Stream(self.device) if self.prefetch and self.device.type == "cuda" else None
 
     # ---- reads ----
     def _convert(self, t: torch.Tensor, role: str) -> torch.Tensor:
@@ -220,11 +231,61 @@ class SourceWeights(WeightSource):
             self._resident[key] = t
         return t
 
-    def _read_expert(self, layer: int, e: int) -> dict[str, ExpertWeight]:
+    def _read_stored(self, layer: int, e: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {role: tuple(self._to_device(self.src.get(self.schema.name(role, layer, e, part=part)))
+                            for part in ("packed", "scale")) for role in EXPERT_ROLES}
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self._stream is not None and threading.current_thread() is not threading.main_thread():
+            with torch.cuda.stream(self._stream):  # the reader thread's copies overlap the compute
+                return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _read_ahead(self, layer: int, experts: bool):
+        """What ``layer`` needs, read on the reader thread; an event marks the copies' end."""
+        roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
+        tensors = {role: self._convert_on_device(self._to_device(self.src.get(self.schema.name(role, layer))), role)
+                   for role in roles}
+        stored = {}
+        if experts and self.config.text.is_moe(layer):
+            stored = {e: self._read_stored(layer, e) for e in range(self.config.text.num_experts)}
+        done = None
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return tensors, stored, done
+
+    def _convert_on_device(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                return self._convert(t, role)
+        return self._convert(t, role)
+
+    def _take_ahead(self, layer: int, decode: bool):
+        """Layer ``layer`` from the reader (or read now), and the read of the next one started."""
+        fut = self._ahead.pop(layer, None)
+        for f in self._ahead.values():  # a layer asked out of order: drop stale read-aheads
+            f.cancel()
+        self._ahead.clear()
+        tensors, stored, done = fut.result() if fut is not None else self._read_ahead(layer, not decode)
+        if done is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)  # the copies are complete before any kernel reads them
+            for t in [*tensors.values(), *(x for s in stored.values() for pair in s.values() for x in pair)]:
+                t.record_stream(cur)  # made on the side stream, used and freed on this one
+        nxt = (layer + 1) % self.config.text.num_hidden_layers
+        self._ahead[nxt] = self._reader.submit(self._read_ahead, nxt, not decode)
+        return tensors, stored
+
+    def _read_expert(self, layer: int, e: int, stored: dict | None = None) -> dict[str, ExpertWeight]:
         out = {}
+        parts = stored.pop(e, None) if stored else None
         for role in EXPERT_ROLES:
-            packed = self.src.get(self.schema.name(role, layer, e, part="packed")).to(self.device)
-            scale = self.src.get(self.schema.name(role, layer, e, part="scale")).to(self.device)
+            if parts is not None:
+                packed, scale = parts[role]
+            else:
+                packed = self.src.get(self.schema.name(role, layer, e, part="packed")).to(self.device)
+                scale = self.src.get(self.schema.name(role, layer, e, part="scale")).to(self.device)
             decode = lambda p=packed, s=scale: mxfp4.dequantize(p, s, self.policy.weight,  # noqa: E731
                                                                 block=self.config.text.mxfp4_group)
             out[role] = ExpertWeight(decode, (packed, scale))
@@ -233,8 +294,12 @@ class SourceWeights(WeightSource):
 
     # ---- WeightSource ----
     def layer(self, layer: int, decode: bool = False) -> LayerWeights:
-        roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
-        tensors = {role: self._read(role, layer) for role in roles}
+        stored = None
+        if self.prefetch:
+            tensors, stored = self._take_ahead(layer, decode)
+        else:
+            roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
+            tensors = {role: self._read(role, layer) for role in roles}
         if not self.config.text.is_moe(layer):
             return LayerWeights(layer, tensors, reduce=self.reduce)
         cache = self._experts.setdefault(layer, OrderedDict())
@@ -243,7 +308,7 @@ class SourceWeights(WeightSource):
             if e in cache:
                 cache.move_to_end(e)
                 return cache[e]
-            w = self._read_expert(layer, e)
+            w = self._read_expert(layer, e, stored)
             if decode and self.expert_cache > 0:
                 cache[e] = w
                 while len(cache) > self.expert_cache:
@@ -261,4 +326,8 @@ class SourceWeights(WeightSource):
         return self._read(role)
 
     def close(self) -> None:
+        if self._reader is not None:
+            for f in self._ahead.values():
+                f.cancel()
+            self._reader.shutdown(wait=True)
         self.src.close()

@@ -42,7 +42,7 @@ is first rounded to f32 (which can move a value onto or off an E2M1 tie).
 import torch
 
 from k3bundle.errors import CodecError
-from k3bundle.formats import e2m1
+from k3bundle.formats import e2m1, mxfp4_gpu
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -142,6 +142,7 @@ def dequantize(
     scales: torch.Tensor,
     dtype: torch.dtype = torch.float32,
     block: int = BLOCK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact MXFP4 dequantization.
 
@@ -154,13 +155,53 @@ def dequantize(
         scales: uint8 [..., n/block] E8M0 bytes (float8_e8m0fnu is accepted too).
         dtype: result dtype.
         block: elements per scale (32 for MXFP4).
+        out: optional contiguous tensor of `dtype` [..., n] to write into (e.g. a slice of a stack).
 
     Returns:
-        tensor of `dtype` [..., n]; blocks with scale 0xFF are all NaN.
+        tensor of `dtype` [..., n] (``out`` when given); blocks with scale 0xFF are all NaN.
     """
     if scales.dtype == getattr(torch, "float8_e8m0fnu", None):  # torch >= 2.7
         scales = scales.view(torch.uint8)
     check_shapes(packed, scales, block, "mxfp4.dequantize")
+    if mxfp4_gpu.available(packed, dtype):  # the same arithmetic as one CUDA kernel (bit-identical)
+        return mxfp4_gpu.dequantize(packed, scales, dtype, block, out=out)
+    values = dequantize_torch(packed, scales, dtype, block)
+    return values if out is None else out.copy_(values)
+
+
+def dequantize_stack(packed: list[torch.Tensor], scales: list[torch.Tensor], out: torch.Tensor,
+                     block: int = BLOCK) -> torch.Tensor:
+    """``out[i] = dequantize(packed[i], scales[i], out.dtype)`` for tensors of one shape: on CUDA one
+    kernel launch for the lot (``mxfp4_gpu.dequantize_many``), elsewhere one call each."""
+    for p, s in zip(packed, scales, strict=True):
+        check_shapes(p, s, block, "mxfp4.dequantize_stack")
+    if packed and mxfp4_gpu.available(packed[0], out.dtype) and all(p.device == out.device for p in packed):
+        return mxfp4_gpu.dequantize_many([p.contiguous() for p in packed], [s.contiguous() for s in scales], out, block)
+    for i, (p, s) in enumerate(zip(packed, scales)):
+        dequantize(p, s, out.dtype, block, out=out[i])
+    return out
+
+
+def matmul_available(x: torch.Tensor, stored: list) -> bool:
+    """True where ``matmul_stack`` runs as one kernel: CUDA, Triton, BF16/F32 x, every weight's
+    stored (packed, scales) on x's device, all of one shape."""
+    return (mxfp4_gpu.available(x, torch.float32) and x.dtype in (torch.bfloat16, torch.float32)
+            and all(s is not None and s[0].device == x.device and s[0].shape == stored[0][0].shape
+                    and s[0].is_contiguous() and s[1].is_contiguous() for s in stored))
+
+
+def matmul_stack(x_GNC: torch.Tensor, packed: list[torch.Tensor], scales: list[torch.Tensor],
+                 block: int = BLOCK) -> torch.Tensor:
+    """``x[g] @ dequantize(packed[g], scales[g]).T`` for each g, [G, N, C] -> [G, N, R] in x's dtype,
+    the weights decoded in registers by the CUDA kernel (``mxfp4_gpu.matmul_many``): the decoded
+    values are the codec's exactly; the sums are FP32, as a BF16 GEMM's."""
+    return mxfp4_gpu.matmul_many(x_GNC, packed, scales, block)
+
+
+def dequantize_torch(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+                     block: int = BLOCK) -> torch.Tensor:
+    """``dequantize`` in torch ops on any device (shapes checked by the caller): the portable form,
+    and on CUDA the baseline of the Triton kernel (``bench/mxfp4_decode.py``)."""
     # bf16 output is computed in bf16: every code (<= 2 significant bits) and every 2^X (X in
     # [-127, 127], 2^-127 a bf16 subnormal) is exact in bf16, and a bf16 product is the exact
     # f32 product rounded once, as the f32 path then cast; half the bytes moved per pass

@@ -14,6 +14,7 @@ from ``tolerances/NAME.yaml``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,33 @@ MAX_CHUNK_SNAPSHOTS = 8  # KDA states kept per case at evenly spaced chunk bound
 @dataclass(frozen=True)
 class GoldenResult:
     out: Path
-    cases: list[dict]  # per case: name, kind, status ("ok" / "not run"), tokens, positions, reason
+    cases: list[dict]  # per case: name, kind, status ("ok" / "not run"), tokens, positions, seconds, reason
     content_hash: str
     bytes_intermediates: int
+    peak_device_bytes: int = 0  # CUDA: the allocator's peak; CPU: the process's peak RSS
+    weights: str = "resident"  # "resident" or "streamed" (read ahead one layer: SourceWeights(prefetch))
+
+
+def streamed_weights(source: Path, dtype: str, device: str) -> bool:
+    """True where a checkpoint's non-expert tensors in ``dtype`` exceed the resident budget of
+    ``device`` (``resident_budget``): the real model's 57 B non-expert parameters are 227 GB in
+    float32, more than any one GPU holds, so they stream one layer ahead instead."""
+    from k3bundle.config import load_config
+    from k3bundle.schema import Schema
+
+    cfg = load_config(source)
+    t, totals = cfg.text, Schema(cfg).totals
+    experts = len(t.moe_layers) * t.num_experts * 3 * t.moe_intermediate_size * t.routed_expert_hidden_size
+    esize = 8 if dtype == "float64" else 4
+    return (totals.text_params - experts) * esize > resident_budget(device, dtype)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _device_name(device: torch.device) -> str:
@@ -62,11 +87,11 @@ def _chunk_boundaries(length: int, chunk: int) -> list[int]:
     return sorted({grid[int((i + 1) * step) - 1] for i in range(MAX_CHUNK_SNAPSHOTS)})
 
 
-def case_arrays(weights, case: Case, ids: list[int]) -> dict[str, np.ndarray]:
+def case_arrays(weights, case: Case, ids: list[int], forms: str = "fast") -> dict[str, np.ndarray]:
     """The golden arrays of one case (``executor.case.run_case``: greedy, every expert choice
     recorded, KDA states at chunk boundaries), as numpy."""
     run = run_case(weights, ids, case.taps.positions(len(ids)), steps=case.steps,
-                   snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True)
+                   snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True, forms=forms)
     return {k: to_numpy(v) for k, v in run.arrays.items()}
 
 
@@ -113,11 +138,13 @@ def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> N
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
                      long_tokens: int | None = None, seed: int = 0, noise: bool = True,
-                     progress: Callable[[int, int, str], None] | None = None) -> GoldenResult:
+                     progress: Callable[[int, int, str], None] | None = None, forms: str = "fast") -> GoldenResult:
     """Write the golden files for ``source`` (a checkpoint or a bundle directory) into ``out``.
 
     A bundle's goldens come from its device weights merged over ranks, in high precision: for
     a pass-through bundle these are the source's values bit for bit (``verify`` proves it).
+    ``forms`` picks the executor's batched ("fast") or as-written ("readable") forms of the
+    same equations (docs/executor.md "Forms"); it is recorded in the goldens' metadata.
     """
     source = Path(source)
     out = Path(out) if out else source / "validation"
@@ -134,12 +161,15 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
 
         weights = BundleWeights(source, dtype=dtype, device=device, resident_bytes=resident_budget(device, dtype))
     else:
-        weights = SourceWeights(source, dtype=dtype, device=device, resident=True)
+        stream = streamed_weights(source, dtype, device)
+        weights = SourceWeights(source, dtype=dtype, device=device, resident=not stream, prefetch=stream)
+    if weights.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(weights.device)
     bf16 = _bf16_twin(source, device) if noise else None
 
     inputs: dict[str, np.ndarray] = {}
     inter: dict[str, np.ndarray] = {}
-    summary = []
+    summary, seconds = [], {}  # timings stay out of the files: same inputs, same bytes
     for i, case in enumerate(cases):
         if progress:
             progress(i, len(cases), case.name)
@@ -149,13 +179,15 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             summary.append({**entry, "status": "not run", "reason": case.not_run_reason})
             continue
         ids = case.build_ids(encoding, long_tokens if case.kind == "long_context" else None)
-        arrays = case_arrays(weights, case, ids)
+        t0 = time.perf_counter()
+        arrays = case_arrays(weights, case, ids, forms)
         if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
-            arrays.update(noise_arrays(bf16, arrays, ids))
+            arrays.update(noise_arrays(bf16, arrays, ids, forms))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():
             inter[f"{case.name}/{k}"] = v
+        seconds[case.name] = round(time.perf_counter() - t0, 3)
         summary.append({**entry, "status": "ok", "tokens": len(ids),
                         "tapped_positions": int(arrays["positions"].size),
                         "all_positions": bool(case.taps.all or arrays["positions"].size == len(ids))})
@@ -166,7 +198,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,
             "device": str(weights.device), "device_name": _device_name(weights.device),
             "torch_version": torch.__version__, "tolerance": tol_file.name, "content_hash": digest,
-            "cases": summary, "source": str(source.resolve()), "chunk": CHUNK,
+            "cases": summary, "source": str(source.resolve()), "chunk": CHUNK, "forms": forms,
             "weights_manifest_sha256": manifest_digest(source)}
     for name in sorted(inter):  # a NaN golden would make every device "fail": refuse to write it
         a = inter[name]
@@ -176,4 +208,6 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     inter["__meta__"] = meta_array(meta)
     inputs["__meta__"] = meta_array(meta)
     _write_goldens(out, inter, inputs, tol_file.read_bytes())
-    return GoldenResult(out, summary, digest, (out / "golden_intermediates.npz").stat().st_size)
+    timed = [{**c, "seconds": seconds[c["name"]]} if c["name"] in seconds else c for c in summary]
+    return GoldenResult(out, timed, digest, (out / "golden_intermediates.npz").stat().st_size,
+                        _peak_bytes(weights.device), "streamed" if getattr(weights, "prefetch", False) else "resident")

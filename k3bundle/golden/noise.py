@@ -40,10 +40,11 @@ def noise_key(metric: str, tap: str) -> str:
     return f"{PREFIX}{metric}.{tap}"
 
 
-def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[int]) -> dict[str, np.ndarray]:
+def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[int],
+                 forms: str = "fast") -> dict[str, np.ndarray]:
     """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key, and
-    the per-step logit shift)."""
-    run = replay_case(bf16_weights, golden, ids).arrays
+    the per-step logit shift), with the executor's ``forms``."""
+    run = replay_case(bf16_weights, golden, ids, forms=forms).arrays
     out: dict[str, object] = {}
     for name, x in run.items():
         if name not in golden:

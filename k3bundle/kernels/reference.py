@@ -2,8 +2,9 @@
 
 Nothing here is new math: the KDA and MLA ops are the reference forms their block modules keep
 next to their equations (``executor.kda``, ``executor.mla``), and the router and grouped-expert
-ops call ``latent_moe.route`` and ``routed``. So the executor with this backend is the executor,
-and a conformance run of this backend against itself in float64 is exact.
+ops call ``latent_moe.route`` and ``routed``. So the executor with this backend is the executor in
+its readable forms (``Executor(forms="readable")``; the fast forms are the same function, tested
+against these), and a conformance run of this backend against itself in float64 is exact.
 """
 
 from __future__ import annotations

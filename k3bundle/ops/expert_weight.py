@@ -32,6 +32,11 @@ class ExpertWeight:
             self._make = None
         return self._value
 
+    @property
+    def decoded(self) -> bool:
+        """True once ``value()`` has been made (a cached expert: decoding again would be waste)."""
+        return self._value is not None
+
     def mxfp4(self) -> Packed | None:
         if callable(self._mxfp4):
             self._mxfp4 = self._mxfp4()
