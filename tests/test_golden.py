@@ -84,3 +84,26 @@ def test_cli_golden(tmp_path, tiny_trained_ckpt, small_cases):
     assert (tmp_path / "g" / "tolerances.yaml").read_text().startswith("#")
     r = run_cli("golden", str(tiny_trained_ckpt), "--out", str(tmp_path / "h"), "--tolerances", "bogus")
     assert r.returncode == 2 and "tolerance set 'bogus' not found" in r.stderr
+
+
+def test_layer_major_schedule_writes_the_same_goldens_in_one_pass_per_forward(tiny_ckpt, tmp_path, monkeypatch):
+    """schedule="layer" runs every case together, each layer read once per pass for all of
+    them: the same content hash as case by case, and far fewer layer reads."""
+    from k3bundle.executor.weights import SourceWeights
+
+    reads = []
+    layer = SourceWeights.layer
+
+    def count(self, l, decode=False):
+        reads.append(l)
+        return layer(self, l, decode)
+    monkeypatch.setattr(SourceWeights, "layer", count)
+    a = generate_goldens(tiny_ckpt, out=tmp_path / "case", long_tokens=200, schedule="case")
+    by_case, reads[:] = len(reads), []
+    b = generate_goldens(tiny_ckpt, out=tmp_path / "layer", long_tokens=200, schedule="layer")
+    assert a.content_hash == b.content_hash
+    assert (tmp_path / "case" / "golden_intermediates.npz").read_bytes() != b""  # written
+    n_layers = 1 + max(reads)
+    ok = [c for c in a.cases if c["status"] == "ok"]
+    passes = 2 * max(c["steps"] for c in ok)  # golden + noise: prefill and steps - 1 decodes each
+    assert len(reads) <= passes * n_layers < by_case / 2, (len(reads), by_case)

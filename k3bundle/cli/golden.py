@@ -31,9 +31,14 @@ def golden(
     forms: Annotated[str, typer.Option(help="fast (default): the executor's batched exact forms; readable: the "
                                             "equations as written, one chunk and one expert at a time (slower; "
                                             "the same function, docs/executor.md \"Forms\").")] = "fast",
+    schedule: Annotated[str, typer.Option(help="case: one case after another; layer: every case together, "
+                                               "layer-major, each layer read once per pass for all (streamed "
+                                               "weights); auto (default): layer where the weights stream. Same bytes.")] = "auto",
     json_: JsonOpt = False,
 ) -> None:
     """Run every case teacher-forced and greedy; write golden inputs, intermediates and tolerances."""
+    if schedule not in ("auto", "case", "layer"):
+        raise typer.BadParameter(f"--schedule must be auto, case or layer, got {schedule!r}")
     if forms not in ("fast", "readable"):
         raise typer.BadParameter(f"--forms must be fast or readable, got {forms!r}")
     if dtype not in ("float32", "float64"):
@@ -41,14 +46,17 @@ def golden(
     with progress_bar("golden", enabled=not json_) as update:
         r = generate_goldens(source, out=out, cases_dir=cases, dtype=dtype, device=device,
                              tolerance=tolerances, long_tokens=long_tokens, seed=seed, noise=noise,
-                             progress=update, forms=forms)
+                             progress=update, forms=forms, schedule=schedule)
     lines = [f"wrote {r.out}: {r.bytes_intermediates:,} bytes of intermediates, content hash {r.content_hash[:16]}…",
              f"  weights {r.weights}, peak {'GPU memory' if device.startswith('cuda') else 'RSS'} "
-             f"{r.peak_device_bytes / 2**30:.2f} GiB"]
+             f"{r.peak_device_bytes / 2**30:.2f} GiB"
+             + next((f", every case together (layer-major) {c['seconds_all_cases']:.1f} s"
+                     for c in r.cases if "seconds_all_cases" in c), "")]
     for c in r.cases:
         if c["status"] == "ok":
             lines.append(f"  {c['name']:<13} {c['kind']:<13} {c['tokens']:>6} tokens, "
-                         f"{c['tapped_positions']} tapped positions, {c['steps']} greedy steps, {c['seconds']:.1f} s")
+                         f"{c['tapped_positions']} tapped positions, {c['steps']} greedy steps"
+                         + (f", {c['seconds']:.1f} s" if "seconds" in c else ""))
         else:
             lines.append(f"  {c['name']:<13} {c['kind']:<13} not run: {c['reason']}")
     Output(json_).result("\n".join(lines), {"out": str(r.out), "content_hash": r.content_hash,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from k3bundle.executor.cache import KDAState, ModelCache
-from k3bundle.executor.model import Executor
+from k3bundle.executor.model import Executor, drive, drive_lockstep
 from k3bundle.executor.taps import SPEC, TapRecorder, tap_kind
 
 
@@ -48,11 +48,24 @@ def _state_kind(s) -> str:
     return "kda_state" if isinstance(s, KDAState) else "mla_latent"
 
 
-def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
+def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0, **kw) -> CaseRun:
+    """One case on ``weights`` (``case_steps``'s arguments; they are documented there)."""
+    return drive(case_steps(weights, ids, positions, steps, **kw), weights)
+
+
+def run_cases(weights, cases: Sequence[dict]) -> list[CaseRun]:
+    """Several cases together, layer-major (``model.drive_lockstep``): each layer is read once
+    per pass for all of them; each case's arrays are exactly what ``run_case`` gives it.
+    ``cases``: one dict of ``case_steps`` arguments (without ``weights``) per case."""
+    return drive_lockstep([case_steps(weights, **c) for c in cases], weights)
+
+
+def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
              tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
              snapshot_at: Sequence[int] | None = None, record_routes: bool = False,
              after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast") -> CaseRun:
-    """Prefill ``ids`` recording every tap at ``positions``, then decode.
+    """Prefill ``ids`` recording every tap at ``positions``, then decode; a generator of layer
+    requests (``model.drive``), so that several cases can share each layer's read.
 
     Args:
         weights: the ``WeightSource``.
@@ -75,7 +88,7 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
         routes = TapRecorder(names=["layers.*.router_ids"])
         recorders.append(routes)
     ex = Executor(weights, taps=recorders, forced_routes=forced_routes, forms=forms, all_logits=False)
-    logits_TV, cache = ex.prefill(list(ids), snapshot_at=snapshot_at or ())
+    logits_TV, cache = yield from ex.prefill_steps(list(ids), snapshot_at=snapshot_at or ())
 
     out: dict[str, torch.Tensor] = {"positions": torch.tensor(positions, dtype=torch.long)}
     for name in rec.names():  # prompt positions, and the states after the prefill
@@ -102,7 +115,7 @@ def run_case(weights, ids: Sequence[int], positions: Sequence[int], steps: int =
         if after_step is not None:
             after_step(c.length - len(ids) - 1, c)  # the step just decoded, from 0
 
-    chosen, step_logits = ex.decode_steps(logits_TV, cache, steps, tokens, keep_states)
+    chosen, step_logits = yield from ex.decode_loop_steps(logits_TV, cache, steps, tokens, keep_states)
     out["greedy_tokens"] = torch.tensor(chosen, dtype=torch.long)
     out["step_logits"] = step_logits.detach().cpu()
     if record_routes:
@@ -127,6 +140,11 @@ def replay_case(weights, golden, ids: Sequence[int],
     """A golden case run again: the golden routes replayed and decode fed the golden tokens, so
     every array stays comparable with the golden one after a near tie (validate's built-in
     device, and the goldens' own BF16 noise)."""
-    return run_case(weights, [int(i) for i in ids], [int(p) for p in golden["positions"]],
-                    tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
-                    after_step=after_step, forms=forms)
+    return run_case(weights, **replay_args(golden, ids, after_step, forms))
+
+
+def replay_args(golden, ids: Sequence[int], after_step=None, forms: str = "fast") -> dict:
+    """``case_steps`` arguments of ``replay_case`` (for ``run_cases``)."""
+    return dict(ids=[int(i) for i in ids], positions=[int(p) for p in golden["positions"]],
+                tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
+                after_step=after_step, forms=forms)

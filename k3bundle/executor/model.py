@@ -110,10 +110,15 @@ class Executor:
     # ---- public API ----
     def prefill(self, ids: Sequence[int] | torch.Tensor, cache: ModelCache | None = None,
                 snapshot_at: Sequence[int] = ()) -> tuple[torch.Tensor, ModelCache]:
+        return drive(self.prefill_steps(ids, cache, snapshot_at), self.w)
+
+    def prefill_steps(self, ids, cache: ModelCache | None = None, snapshot_at: Sequence[int] = ()):
+        """``prefill`` as a generator that yields (layer, decode) for each layer's weights and is
+        sent them (``drive`` / ``drive_lockstep`` run it)."""
         cache = self.new_cache() if cache is None else cache
         ids_T = self._check_ids(ids)
         rel = self._boundaries(snapshot_at, cache.length, ids_T.shape[0])
-        return self._forward(ids_T, cache, decode=False, boundaries=rel), cache
+        return (yield from self._forward_steps(ids_T, cache, decode=False, boundaries=rel)), cache
 
     def decode(self, token: int, cache: ModelCache) -> torch.Tensor:
         return self._forward(self._check_ids([token]), cache, decode=True, boundaries=())[0]
@@ -128,11 +133,17 @@ class Executor:
         instead, so the steps stay comparable with a reference after a divergence.
         ``after_step(cache)`` runs after each decode. Returns (choices, step logits [steps, V]).
         """
+        return drive(self.decode_loop_steps(last_TV, cache, steps, tokens, after_step), self.w)
+
+    def decode_loop_steps(self, last_TV, cache, steps, tokens=None, after_step=None):
+        """``decode_steps`` as a generator of layer requests (see ``prefill_steps``)."""
         rows, chosen = [last_TV[-1]], []
         for i in range(steps):
             chosen.append(int(torch.argmax(rows[-1])))
             if i + 1 < steps:
-                rows.append(self.decode(chosen[-1] if tokens is None else int(tokens[i]), cache))
+                token = chosen[-1] if tokens is None else int(tokens[i])
+                logits = yield from self._forward_steps(self._check_ids([token]), cache, decode=True, boundaries=())
+                rows.append(logits[0])
                 if after_step is not None:
                     after_step(cache)
         return chosen, (torch.stack(rows[:steps]) if steps else last_TV[:0])
@@ -267,6 +278,13 @@ class Executor:
     # ---- the layer loop ----
     def _forward(self, ids_T: torch.Tensor | None, cache: ModelCache, decode: bool, boundaries: list[int],
                  feed: Feed | None = None, collect: dict | None = None) -> torch.Tensor:
+        return drive(self._forward_steps(ids_T, cache, decode, boundaries, feed, collect), self.w)
+
+    def _forward_steps(self, ids_T: torch.Tensor | None, cache: ModelCache, decode: bool, boundaries: list[int],
+                       feed: Feed | None = None, collect: dict | None = None):
+        """The one forward, as a generator: yields (l, decode) before layer l and is sent its
+        ``LayerWeights``; returns the logits. ``drive`` reads each layer for one forward,
+        ``drive_lockstep`` once for every forward of many runs at that layer."""
         t, start, eps = self.text, cache.length, self.text.rms_norm_eps
         h0_TD = head.embed(ids_T, self.w) if ids_T is not None else None  # (E0)
         h0_TD = self._fed(feed, "embed", h0_TD)
@@ -274,7 +292,7 @@ class Executor:
         stream = BlockResidual(h0_TD, t.attn_res_block_size, eps)  # (A2) B = [], S = h⁰
         snaps = {n: [None] * t.num_hidden_layers for n in boundaries}
         for l in range(t.num_hidden_layers):
-            W = self.w.layer(l, decode=decode)  # this layer's weights: read now, dropped below
+            W = yield l, decode  # this layer's weights: read now (by the driver), dropped below
             out = self.layer(l, W, stream, cache, start, decode, boundaries, feed)
             for n, s in out.snapshots.items():
                 snaps[n][l] = s
@@ -324,3 +342,43 @@ class Executor:
             if out.route is not None:
                 collect["own." + p + "router_ids"] = out.route.own_ids_TK
                 collect["noise." + p + "router_margin"] = out.route.noise_T
+
+
+def drive(steps, weights: WeightSource):
+    """Run one generator of layer requests (``Executor.prefill_steps``, ``decode_loop_steps``,
+    ``case.case_steps``): each request (l, decode) is answered with ``weights.layer(l, decode)``."""
+    try:
+        need = next(steps)
+        while True:
+            need = steps.send(weights.layer(*need))
+    except StopIteration as done:
+        return done.value
+
+
+def drive_lockstep(runs: Sequence, weights: WeightSource) -> list:
+    """Run many generators of layer requests together, layer-major: a pointer cycles over the
+    layers, each layer is read once per cycle and handed to every run waiting for it (its routed
+    experts fetched once for all of them), so N runs' forwards cost one pass over the weights
+    instead of N. Each run computes exactly what it computes alone (the same operations on the
+    same tensors, only interleaved with other runs'). Returns the runs' results in order."""
+    results, waiting = [None] * len(runs), {}
+    for i, run in enumerate(runs):
+        try:
+            waiting[i] = next(run)
+        except StopIteration as done:
+            results[i] = done.value
+    n_layers, layer = weights.config.text.num_hidden_layers, 0
+    while waiting:
+        here = [i for i, (l, _) in waiting.items() if l == layer]
+        if here:
+            W = weights.layer(layer, decode=all(waiting[i][1] for i in here)).shared()
+            for i in here:
+                try:
+                    waiting[i] = runs[i].send(W)
+                except StopIteration as done:
+                    results[i] = done.value
+                    del waiting[i]
+            del W
+        layer = (layer + 1) % n_layers
+    return results
+

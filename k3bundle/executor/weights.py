@@ -113,6 +113,19 @@ class LayerWeights(Mapping):
         w = self._expert(e)
         return None if w is None else {r: v if isinstance(v, ExpertWeight) else ExpertWeight(v) for r, v in w.items()}
 
+    def shared(self) -> "LayerWeights":
+        """The same layer for several runs at once: each routed expert fetched once, kept for the
+        others (``model.drive_lockstep``)."""
+        if not self._expert:
+            return self
+        fetch, kept = self._expert, {}
+
+        def expert(e):
+            if e not in kept:
+                kept[e] = fetch(e)
+            return kept[e]
+        return LayerWeights(self.layer, self._tensors, expert, self.reduce, self.expert_op)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())

@@ -25,11 +25,11 @@ import torch
 from k3bundle import __version__
 from k3bundle.executor import SourceWeights
 from k3bundle.executor.weights import resident_budget
-from k3bundle.executor.case import run_case
+from k3bundle.executor.case import replay_args, run_case, run_cases
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
 from k3bundle.golden.errors import GoldenFileError
-from k3bundle.golden.noise import noise_arrays
+from k3bundle.golden.noise import noise_arrays, noise_metrics
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import tolerance_path
 from k3bundle.io.files import sha256_file, write_atomic
@@ -90,9 +90,25 @@ def _chunk_boundaries(length: int, chunk: int) -> list[int]:
 def case_arrays(weights, case: Case, ids: list[int], forms: str = "fast") -> dict[str, np.ndarray]:
     """The golden arrays of one case (``executor.case.run_case``: greedy, every expert choice
     recorded, KDA states at chunk boundaries), as numpy."""
-    run = run_case(weights, ids, case.taps.positions(len(ids)), steps=case.steps,
-                   snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True, forms=forms)
-    return {k: to_numpy(v) for k, v in run.arrays.items()}
+    return {k: to_numpy(v) for k, v in run_case(weights, **golden_run_args(case, ids, forms)).arrays.items()}
+
+
+def golden_run_args(case: Case, ids: list[int], forms: str = "fast") -> dict:
+    """The ``case_steps`` arguments of a golden run of ``case``."""
+    return dict(ids=ids, positions=case.taps.positions(len(ids)), steps=case.steps,
+                snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True, forms=forms)
+
+
+def all_case_arrays(weights, bf16, runnable: list[tuple[Case, list[int]]], forms: str) -> list[dict]:
+    """Every runnable case's golden arrays (and BF16 noise), layer-major: all cases' forwards
+    share each layer's read (``executor.case.run_cases``); the same arrays as case by case."""
+    runs = run_cases(weights, [golden_run_args(c, ids, forms) for c, ids in runnable])
+    arrays = [{k: to_numpy(v) for k, v in r.arrays.items()} for r in runs]
+    if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
+        replays = run_cases(bf16, [replay_args(a, ids, forms=forms) for a, (_, ids) in zip(arrays, runnable)])
+        for a, r in zip(arrays, replays):
+            a.update(noise_metrics(a, r.arrays))
+    return arrays
 
 
 def manifest_digest(path: Path) -> str | None:
@@ -138,14 +154,21 @@ def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> N
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
                      long_tokens: int | None = None, seed: int = 0, noise: bool = True,
-                     progress: Callable[[int, int, str], None] | None = None, forms: str = "fast") -> GoldenResult:
+                     progress: Callable[[int, int, str], None] | None = None, forms: str = "fast",
+                     schedule: str = "auto") -> GoldenResult:
     """Write the golden files for ``source`` (a checkpoint or a bundle directory) into ``out``.
 
     A bundle's goldens come from its device weights merged over ranks, in high precision: for
     a pass-through bundle these are the source's values bit for bit (``verify`` proves it).
     ``forms`` picks the executor's batched ("fast") or as-written ("readable") forms of the
     same equations (docs/executor.md "Forms"); it is recorded in the goldens' metadata.
+    ``schedule`` "case" runs the cases one after another; "layer" runs them together,
+    layer-major, so that each layer is read once per pass for all of them (streamed weights:
+    one pass instead of one per case); "auto" is "layer" where the weights stream. Both write
+    the same bytes.
     """
+    if schedule not in ("auto", "case", "layer"):
+        raise GoldenFileError(f"schedule must be auto, case or layer, not {schedule!r}")
     source = Path(source)
     out = Path(out) if out else source / "validation"
     _refuse_links(out)
@@ -165,29 +188,45 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
         weights = SourceWeights(source, dtype=dtype, device=device, resident=not stream, prefetch=stream)
     if weights.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(weights.device)
+    if schedule == "auto":
+        schedule = "layer" if getattr(weights, "prefetch", False) else "case"
     bf16 = _bf16_twin(source, device) if noise else None
 
     inputs: dict[str, np.ndarray] = {}
     inter: dict[str, np.ndarray] = {}
     summary, seconds = [], {}  # timings stay out of the files: same inputs, same bytes
-    for i, case in enumerate(cases):
+    built = {c.name: c.build_ids(encoding, long_tokens if c.kind == "long_context" else None)
+             for c in cases if c.runnable}
+    together = {}
+    if schedule == "layer" and built:
         if progress:
+            progress(0, len(cases), "all cases, layer-major")
+        t0 = time.perf_counter()
+        runnable = [(c, built[c.name]) for c in cases if c.runnable]
+        together = dict(zip(built, all_case_arrays(weights, bf16, runnable, forms)))
+        seconds["all"] = round(time.perf_counter() - t0, 3)
+    for i, case in enumerate(cases):
+        if progress and schedule == "case":
             progress(i, len(cases), case.name)
         entry = {"name": case.name, "kind": case.kind, "description": case.description,
                  "steps": case.steps, "source": Path(case.source).name}
         if not case.runnable:
             summary.append({**entry, "status": "not run", "reason": case.not_run_reason})
             continue
-        ids = case.build_ids(encoding, long_tokens if case.kind == "long_context" else None)
+        ids = built[case.name]
         t0 = time.perf_counter()
-        arrays = case_arrays(weights, case, ids, forms)
-        if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
-            arrays.update(noise_arrays(bf16, arrays, ids, forms))
+        if case.name in together:
+            arrays = together[case.name]
+        else:
+            arrays = case_arrays(weights, case, ids, forms)
+            if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
+                arrays.update(noise_arrays(bf16, arrays, ids, forms))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():
             inter[f"{case.name}/{k}"] = v
-        seconds[case.name] = round(time.perf_counter() - t0, 3)
+        if schedule == "case":
+            seconds[case.name] = round(time.perf_counter() - t0, 3)
         summary.append({**entry, "status": "ok", "tokens": len(ids),
                         "tapped_positions": int(arrays["positions"].size),
                         "all_positions": bool(case.taps.all or arrays["positions"].size == len(ids))})
@@ -209,5 +248,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     inputs["__meta__"] = meta_array(meta)
     _write_goldens(out, inter, inputs, tol_file.read_bytes())
     timed = [{**c, "seconds": seconds[c["name"]]} if c["name"] in seconds else c for c in summary]
+    if "all" in seconds:  # layer-major: one time for every case together
+        timed = [{**c, "seconds_all_cases": seconds["all"]} if c.get("status") == "ok" else c for c in timed]
     return GoldenResult(out, timed, digest, (out / "golden_intermediates.npz").stat().st_size,
                         _peak_bytes(weights.device), "streamed" if getattr(weights, "prefetch", False) else "resident")

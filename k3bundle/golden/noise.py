@@ -44,7 +44,11 @@ def noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray], ids: Sequence[i
                  forms: str = "fast") -> dict[str, np.ndarray]:
     """Free-running metrics of a BF16 replay of one golden case (float64 scalars by key, and
     the per-step logit shift), with the executor's ``forms``."""
-    run = replay_case(bf16_weights, golden, ids, forms=forms).arrays
+    return noise_metrics(golden, replay_case(bf16_weights, golden, ids, forms=forms).arrays)
+
+
+def noise_metrics(golden: Mapping[str, np.ndarray], run: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The metrics of ``noise_arrays`` from a BF16 replay's arrays (``run``)."""
     out: dict[str, object] = {}
     for name, x in run.items():
         if name not in golden:
