@@ -138,34 +138,42 @@ def cpu(args) -> dict:
 
 
 # ---------------------------------------------------------------- gpu layers (full width)
+def draw_tensor(role, shape, g, device) -> torch.Tensor:
+    """A synth-like random value of a non-expert role, FP32 (callers cast to the role's dtype)."""
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+    if role.role == "kda.A_log":
+        return torch.log(1 + 15 * torch.rand(shape, generator=g, device=device))
+    if len(shape) == 1 and role.role.endswith("norm"):
+        return 1 + 0.1 * x
+    if len(shape) >= 2 and role.role != "embed":
+        return x / math.sqrt(math.prod(shape[1:]))
+    return 0.1 * x
+
+
+def draw_experts(schema: Schema, role, g, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert of ``role`` as random MXFP4: packed codes and scales [E, ...] uint8."""
+    (_, _, sp), (_, _, ss) = schema.stored(role)
+    n = schema.text.num_experts
+    packed = torch.randint(0, 256, (n, *sp), generator=g, device=device, dtype=torch.uint8)
+    # E2M1 codes have rms ~2.9: scale 2^-7 gives weights of rms ~1/sqrt(3584)
+    scale = torch.randint(119, 122, (n, *ss), generator=g, device=device, dtype=torch.uint8)
+    return packed, scale
+
+
 class RandomLayer:
     """One layer's weights drawn on the device (synth-like scales) in the policy's dtypes, MXFP4
     experts kept packed [E, ...] and dequantized by the codec when routed."""
 
     def __init__(self, schema: Schema, layer: int, device, dtype=torch.bfloat16, seed=0):
         g = torch.Generator(device=device).manual_seed(seed + layer)
-        t = schema.text
         self.dtype, self.tensors, self.packed, self.nbytes, self.expert_bytes = dtype, {}, {}, 0, 0
         for role in schema.layer_roles(layer):
-            shape = schema.logical_shape(role)
             if role.scope is Scope.EXPERT:
-                (_, suffix_p, sp), (_, suffix_s, ss) = schema.stored(role)
-                packed = torch.randint(0, 256, (t.num_experts, *sp), generator=g, device=device, dtype=torch.uint8)
-                # E2M1 codes have rms ~2.9: scale 2^-7 gives weights of rms ~1/sqrt(3584)
-                scale = torch.randint(119, 122, (t.num_experts, *ss), generator=g, device=device, dtype=torch.uint8)
-                self.packed[role.role] = (packed, scale)
-                self.expert_bytes += (math.prod(sp) + math.prod(ss))
+                packed, scale = self.packed[role.role] = draw_experts(schema, role, g, device)
+                self.expert_bytes += (packed[0].numel() + scale[0].numel())
                 continue
             f32 = role.fmt is Format.F32
-            x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-            if role.role == "kda.A_log":
-                x = torch.log(1 + 15 * torch.rand(shape, generator=g, device=device))
-            elif len(shape) == 1 and role.role.endswith("norm"):
-                x = 1 + 0.1 * x
-            elif len(shape) >= 2:
-                x = x / math.sqrt(math.prod(shape[1:]))
-            else:
-                x = 0.1 * x
+            x = draw_tensor(role, schema.logical_shape(role), g, device)
             # the policy's weight dtype (F32 roles stay F32): bf16 -> bf16, float32 -> f32
             x = x if f32 else x.to(torch.bfloat16).to(dtype)
             self.tensors[role.role] = x

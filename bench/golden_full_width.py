@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from executor import draw_experts, draw_tensor  # noqa: E402  (bench/executor.py: one way to draw weights)
 from k3bundle.config import parse_config  # noqa: E402
 from k3bundle.executor.weights import LayerWeights, WeightSource, policy  # noqa: E402
 from k3bundle.formats import mxfp4  # noqa: E402
@@ -61,17 +62,6 @@ def reduced_config(layers: int, base: Path | None = None):
     return parse_config(cfg, f"release@{layers} layers")
 
 
-def _draw(role, shape, g, device) -> torch.Tensor:
-    x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-    if role.role == "kda.A_log":
-        return torch.log(1 + 15 * torch.rand(shape, generator=g, device=device))
-    if len(shape) == 1 and role.role.endswith("norm"):
-        return 1 + 0.1 * x
-    if len(shape) >= 2 and role.role != "embed":
-        return x / math.sqrt(math.prod(shape[1:]))
-    return 0.1 * x
-
-
 class DeviceWeights(WeightSource):
     """Random release-shaped weights made on the device: BF16-valued tensors (F32 roles as F32),
     MXFP4 experts as packed bytes and scales; a BF16 twin shares the packed experts."""
@@ -90,14 +80,10 @@ class DeviceWeights(WeightSource):
         specs += [(r, l) for l in range(t.num_hidden_layers) for r in self.schema.layer_roles(l)]
         for role, layer in specs:
             if role.scope is Scope.EXPERT:
-                (_, _, sp), (_, _, ss) = self.schema.stored(role)
-                packed = torch.randint(0, 256, (t.num_experts, *sp), generator=g, device=self.device, dtype=torch.uint8)
-                scale = torch.randint(119, 122, (t.num_experts, *ss), generator=g, device=self.device,
-                                      dtype=torch.uint8)  # weights of rms ~1/sqrt(3584)
-                self.packed[(role.role, layer)] = (packed, scale)
+                self.packed[(role.role, layer)] = draw_experts(self.schema, role, g, self.device)
                 continue
             f32 = role.fmt is Format.F32
-            x = _draw(role, self.schema.logical_shape(role), g, self.device)
+            x = draw_tensor(role, self.schema.logical_shape(role), g, self.device)
             self.raw[(role.role, layer)] = (x if f32 else x.to(torch.bfloat16), f32)
         self.tensors = {k: self._cast(v, f32) for k, (v, f32) in self.raw.items()}
 

@@ -179,10 +179,10 @@ def _logical_shape(w) -> tuple[int, int]:
     return tuple((w.value() if isinstance(w, ExpertWeight) else w).shape)
 
 
-def _stack(ws: list, out: torch.Tensor) -> None:
+def _stack(ws: list, out: torch.Tensor, stored: list) -> None:
     """``out[g]`` <- the logical weight of ``ws[g]``: MXFP4 decoded straight into the stack where
-    every source keeps its stored form on this device (the codec, bit for bit), else copied."""
-    stored = [_stored(w) for w in ws]
+    every source keeps its stored form (``stored[g]``) on this device (the codec, bit for bit),
+    else copied."""
     if all(s is not None and s[0].device == out.device for s in stored):
         p0, s0 = stored[0]
         mxfp4.dequantize_stack([p for p, _ in stored], [s for _, s in stored], out,
@@ -200,17 +200,16 @@ DIRECT_TOKENS = 4
 def _run_group(group, z_TL, K: int, y_PL, situ_beta, situ_cap) -> None:
     """One group's E_i(z) (R5, S3) as batched GEMMs; writes each pair's row of ``y_PL``."""
     G, N = len(group), group[0][0].numel()  # the first expert has the most tokens
-    stacks, mm = {}, linear
-    direct = N <= DIRECT_TOKENS and all(mxfp4.matmul_available(z_TL, [_stored(E[r]) for _, E in group])
-                                        for r in EXPERT_ROLES)
-    for role in EXPERT_ROLES:
-        if direct:  # the stored bytes themselves, decoded inside the matmul
-            stacks[role] = [_stored(E[role]) for _, E in group]
-            continue
-        stacks[role] = z_TL.new_empty(G, *_logical_shape(group[0][1][role]))
-        _stack([E[role] for _, E in group], stacks[role])
-    if direct:
+    stored = {r: [_stored(E[r]) for _, E in group] for r in EXPERT_ROLES}
+    if N <= DIRECT_TOKENS and all(mxfp4.matmul_available(z_TL, s) for s in stored.values()):
+        # the stored bytes themselves, decoded inside the matmul
+        stacks = stored
         mm = lambda x, w: mxfp4.matmul_stack(x, [p for p, _ in w], [s for _, s in w])  # noqa: E731
+    else:
+        stacks, mm = {}, linear
+        for role in EXPERT_ROLES:
+            stacks[role] = z_TL.new_empty(G, *_logical_shape(group[0][1][role]))
+            _stack([E[role] for _, E in group], stacks[role], stored[role])
     dev = z_TL.device
     pairs_R = torch.cat([p for p, _ in group])  # pair indices t·K + k, expert by expert
     # each pair's (expert in the group, row in its block), built on the device from the counts

@@ -248,6 +248,10 @@ class SourceWeights(WeightSource):
         return {role: tuple(self._to_device(self.src.get(self.schema.name(role, layer, e, part=part)))
                             for part in ("packed", "scale")) for role in EXPERT_ROLES}
 
+    def _dense_roles(self, layer: int) -> list[str]:
+        """The roles of ``layer``'s non-expert tensors."""
+        return [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self._stream is not None and threading.current_thread() is not threading.main_thread():
             with torch.cuda.stream(self._stream):  # the reader thread's copies overlap the compute
@@ -256,9 +260,8 @@ class SourceWeights(WeightSource):
 
     def _read_ahead(self, layer: int, experts: bool):
         """What ``layer`` needs, read on the reader thread; an event marks the copies' end."""
-        roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
         tensors = {role: self._convert_on_device(self._to_device(self.src.get(self.schema.name(role, layer))), role)
-                   for role in roles}
+                   for role in self._dense_roles(layer)}
         stored = {}
         if experts and self.config.text.is_moe(layer):
             stored = {e: self._read_stored(layer, e) for e in range(self.config.text.num_experts)}
@@ -292,13 +295,9 @@ class SourceWeights(WeightSource):
 
     def _read_expert(self, layer: int, e: int, stored: dict | None = None) -> dict[str, ExpertWeight]:
         out = {}
-        parts = stored.pop(e, None) if stored else None
+        parts = (stored.pop(e, None) if stored else None) or self._read_stored(layer, e)  # read ahead, or now
         for role in EXPERT_ROLES:
-            if parts is not None:
-                packed, scale = parts[role]
-            else:
-                packed = self.src.get(self.schema.name(role, layer, e, part="packed")).to(self.device)
-                scale = self.src.get(self.schema.name(role, layer, e, part="scale")).to(self.device)
+            packed, scale = parts[role]
             decode = lambda p=packed, s=scale: mxfp4.dequantize(p, s, self.policy.weight,  # noqa: E731
                                                                 block=self.config.text.mxfp4_group)
             out[role] = ExpertWeight(decode, (packed, scale))
@@ -311,8 +310,7 @@ class SourceWeights(WeightSource):
         if self.prefetch:
             tensors, stored = self._take_ahead(layer, decode)
         else:
-            roles = [r.role for r in self.schema.layer_roles(layer) if r.scope is not Scope.EXPERT]
-            tensors = {role: self._read(role, layer) for role in roles}
+            tensors = {role: self._read(role, layer) for role in self._dense_roles(layer)}
         if not self.config.text.is_moe(layer):
             return LayerWeights(layer, tensors, reduce=self.reduce)
         cache = self._experts.setdefault(layer, OrderedDict())

@@ -50,6 +50,18 @@ if triton is not None:
         return tl.where(e == 0, sub, norm)
 
     @triton.jit
+    def _value_bits(byte, x):
+        """F32 bits of the two values of packed ``byte`` (low nibble, high nibble) under E8M0 ``x``."""
+        factor = tl.where(x == 0, 1 << 22, x << 23).to(tl.float32, bitcast=True)  # 2^(x-127) from bits
+        lo, hi = byte & 0xF, byte >> 4
+        # the sign as the sign bit (a float negation could turn -0 into +0: code 8 is -0)
+        lo_bits = (_magnitude(lo & 7) * factor).to(tl.int32, bitcast=True) | ((lo & 8) << 28)
+        hi_bits = (_magnitude(hi & 7) * factor).to(tl.int32, bitcast=True) | ((hi & 8) << 28)
+        lo_bits = tl.where(x == 255, 0x7FC00000, lo_bits)  # the whole block NaN
+        hi_bits = tl.where(x == 255, 0x7FC00000, hi_bits)
+        return lo_bits, hi_bits
+
+    @triton.jit
     def _decode_kernel(packed_ptr, scale_ptr, words_ptr, n_bytes, BLOCK: tl.constexpr, GROUP_BYTES: tl.constexpr,
                        OUT: tl.constexpr, MANY: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -62,13 +74,7 @@ if triton is not None:
         mask = offs < n_bytes
         byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
         x = tl.load(scale_ptr + offs // GROUP_BYTES, mask=mask, other=127).to(tl.int32)
-        factor = tl.where(x == 0, 1 << 22, x << 23).to(tl.float32, bitcast=True)  # 2^(x-127) from bits
-        lo, hi = byte & 0xF, byte >> 4
-        # the sign as the sign bit (a float negation could turn -0 into +0: code 8 is -0)
-        lo_bits = (_magnitude(lo & 7) * factor).to(tl.int32, bitcast=True) | ((lo & 8) << 28)
-        hi_bits = (_magnitude(hi & 7) * factor).to(tl.int32, bitcast=True) | ((hi & 8) << 28)
-        lo_bits = tl.where(x == 255, 0x7FC00000, lo_bits)  # the whole block NaN
-        hi_bits = tl.where(x == 255, 0x7FC00000, hi_bits)
+        lo_bits, hi_bits = _value_bits(byte, x)
         # one word per packed byte, the even element in its low half (little-endian): every store
         # is a whole, coalesced word
         if OUT == 0:  # BF16: an exact value's BF16 bits are its F32 bits' upper half (subnormals too)
@@ -104,12 +110,8 @@ if triton is not None:
                 byte = tl.load(packed_ptr + off, mask=m2, other=0).to(tl.int32)
                 x = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * (half // GROUP_BYTES) + cols[None, :] // GROUP_BYTES,
                             mask=m2, other=127).to(tl.int32)
-                factor = tl.where(x == 0, 1 << 22, x << 23).to(tl.float32, bitcast=True)
-                lo, hi = byte & 0xF, byte >> 4
-                w_lo = ((_magnitude(lo & 7) * factor).to(tl.int32, bitcast=True) | ((lo & 8) << 28)).to(tl.float32, bitcast=True)
-                w_hi = ((_magnitude(hi & 7) * factor).to(tl.int32, bitcast=True) | ((hi & 8) << 28)).to(tl.float32, bitcast=True)
-                w_lo = tl.where(x == 255, float("nan"), w_lo)
-                w_hi = tl.where(x == 255, float("nan"), w_hi)
+                lo_bits, hi_bits = _value_bits(byte, x)
+                w_lo, w_hi = lo_bits.to(tl.float32, bitcast=True), hi_bits.to(tl.float32, bitcast=True)
                 x_even = tl.load(x_g + n * C + 2 * cols, mask=cmask, other=0.0).to(tl.float32)
                 x_odd = tl.load(x_g + n * C + 2 * cols + 1, mask=cmask, other=0.0).to(tl.float32)
                 acc += tl.sum(w_lo * x_even[None, :] + w_hi * x_odd[None, :], axis=1)
@@ -134,8 +136,7 @@ def matmul_many(x_GNC: torch.Tensor, packed: list[torch.Tensor], scales: list[to
                          f"{len(packed)} weights of {tuple(packed[0].shape)} bytes")
     x_GNC = x_GNC.contiguous()
     y = torch.empty(G, N, R, dtype=x_GNC.dtype, device=x_GNC.device)
-    addr = torch.tensor([[p.data_ptr() for p in packed], [s.data_ptr() for s in scales]], dtype=torch.int64)
-    p_addr, s_addr = addr.to(x_GNC.device, non_blocking=True)
+    p_addr, s_addr = _address_tables(packed, scales, x_GNC.device)
     grid = (triton.cdiv(R, GEMV_ROWS), G)
     _gemv_kernel[grid](x_GNC, p_addr, s_addr, y, R, C=C, N=N, BR=GEMV_ROWS, BB=GEMV_BYTES, GROUP_BYTES=block // 2,
                        num_warps=GEMV_WARPS)
@@ -170,6 +171,12 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, b
     return out
 
 
+def _address_tables(packed: list[torch.Tensor], scales: list[torch.Tensor], device) -> torch.Tensor:
+    """The tensors' addresses as two int64 rows on ``device`` (one copy), for a kernel's pointer loads."""
+    addr = torch.tensor([[p.data_ptr() for p in packed], [s.data_ptr() for s in scales]], dtype=torch.int64)
+    return addr.to(device, non_blocking=True)
+
+
 def dequantize_many(packed: list[torch.Tensor], scales: list[torch.Tensor], out: torch.Tensor,
                     block: int = 32) -> torch.Tensor:
     """``out[i] = dequantize(packed[i], scales[i])`` for same-shape tensors anywhere on one device,
@@ -184,9 +191,7 @@ def dequantize_many(packed: list[torch.Tensor], scales: list[torch.Tensor], out:
             raise CodecError("mxfp4_gpu.dequantize_many: tensors must be contiguous and of one shape")
     n = packed[0].numel()
     if n and packed:
-        dev = out.device
-        addr = torch.tensor([[p.data_ptr() for p in packed], [s.data_ptr() for s in scales]], dtype=torch.int64)
-        p_addr, s_addr = addr.to(dev, non_blocking=True)  # one copy of both address tables
+        p_addr, s_addr = _address_tables(packed, scales, out.device)
         kind = _DTYPES.index(out.dtype)
         words = out.view(torch.int64 if kind == 2 else torch.int32)
         grid = (triton.cdiv(n, BYTES_PER_PROGRAM), len(packed))
