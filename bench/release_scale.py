@@ -130,6 +130,10 @@ def main() -> int:
         run(f"verify {layout}", [*K3, "verify", str(bundle)], read=out, hashed=out, tensors=n)
         run(f"verify --source {layout}", [*K3, "verify", str(bundle), "--source", str(ckpt)],
             read=out + size, hashed=out + size, tensors=n)
+        if layout == a.layouts.split(",")[0]:
+            run(f"verify --source {layout} --workers 2", [*K3, "verify", str(bundle), "--source", str(ckpt),
+                                                          "--workers", "2"],
+                read=out + size, hashed=out + size, tensors=n)
         index = json.loads((bundle / "weights.index.json").read_text())
         rank, key = _some_device_tensor(index)
         run(f"trace {layout}", [*K3, "trace", str(bundle), str(rank), key, "--offset", "0"], tensors=n)

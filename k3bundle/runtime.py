@@ -1,4 +1,4 @@
-"""How the command line uses the CPU: OpenMP's wait policy and torch's intra-op thread count.
+"""How the command line uses the CPU: OpenMP's wait policy, torch's intra-op thread count, the collector.
 
 torch's CPU kernels run on OpenMP (libgomp in the PyPI wheels). By default a libgomp thread that
 reaches the end of a parallel region spins ~300,000 iterations before it sleeps; the executor's
@@ -16,6 +16,12 @@ should cost it at most 2x (docs/performance.md "Under load"). The command line t
   by a cgroup CPU quota (torch counts the mask only, so a container limited to 2 CPUs of a
   64-core host would run 64 threads).
 
+- raises the cyclic garbage collector's thresholds (``GC_THRESHOLD``). A command at the release's
+  497,220 tensors holds a few million small objects (header entries, index entries, specs) that
+  live for the whole run and are freed by reference counting; with Python's default (700, 10, 10)
+  the collector re-walks them over and over: opening the full-depth checkpoint took 12.1 s with it,
+  6.0 s without (docs/performance.md "Release scale").
+
 Measured on 2 cores (docs/performance.md "Under load"): with passive wait, one competing process
 costs the demo ~1.0-1.1x (spinning: over 9x), for ~15% more time idle than spinning; a short spin
 (``GOMP_SPINCOUNT=10000``) is no faster idle and 2.5x slower loaded; one thread and two run the
@@ -26,8 +32,10 @@ Library callers (the tests, scripts) keep torch's defaults unless they call ``ap
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +43,7 @@ from pathlib import Path
 from k3bundle.errors import K3Error
 
 THREADS_ENV = "K3BUNDLE_THREADS"
+GC_THRESHOLD = (100_000, 20, 20)  # objects allocated between young collections; older-generation ratios
 WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 
 
@@ -92,11 +101,14 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
 
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> Policy:
-    """The command line's policy: the wait environment first, then torch's thread count."""
+    """The command line's policy: the wait environment first, then torch's thread count. Runs after
+    the command's modules are imported: a command that does not load torch (``trace``) is not made
+    to load it here, and one that does has it loaded by then (command modules import their
+    libraries at the top)."""
     prepare_environment(environ)
+    gc.set_threshold(*GC_THRESHOLD)
     threads, threads_from = choose_threads(environ)
-    if threads is not None:
-        import torch
-
+    torch = sys.modules.get("torch")
+    if threads is not None and torch is not None:
         torch.set_num_threads(threads)
     return Policy(threads, threads_from, {k: environ[k] for k in WAIT_ENV if k in environ})

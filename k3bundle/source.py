@@ -55,15 +55,27 @@ class SourceCheckpoint:
         return self._headers[self.shard_of(name)].tensors[name]
 
     def _file(self, name: str) -> SafetensorsFile:
-        shard = self.shard_of(name)
+        return self.shard_file(self.shard_of(name))
+
+    def shard_file(self, shard: str) -> SafetensorsFile:
+        """The open reader of shard file ``shard`` (opened once, with the header checked at start)."""
         f = self._open.get(shard)
         if f is None:
-            f = self._open[shard] = SafetensorsFile(self.dir / shard)
+            f = self._open[shard] = SafetensorsFile(self.dir / shard, header=self._headers[shard])
         return f
 
     # ---- reads (never whole files) ----
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).get(name)
+
+    def get_stack(self, names: list[str]) -> torch.Tensor:
+        """Tensors of one shape and dtype (a layer's routed experts) as one [len(names), ...] stack,
+        each read straight into its row."""
+        first = self.info(names[0])
+        out = torch.empty(len(names), *first.shape, dtype=first.torch_dtype)
+        for row, name in zip(out, names):
+            self._file(name).get_into(name, row)
+        return out
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._file(name).get_rows(name, start, stop)

@@ -6,107 +6,82 @@ sha256 is in the top-level ``source_files`` table), the source key, the logical 
 MXFP4 sources the scale key and the slice of it. A stacked expert tensor's source is a family:
 ``key_template`` with ``{eid}``, ``experts`` [first, stop) and ``expert_stride`` (bytes per
 expert in the device tensor). ``scale`` names the device tensors holding a quantized part's
-scales. The file is written streaming (full K3 has tens of thousands of entries).
+scales. The file is written streaming (full K3 has tens of thousands of entries) by
+``bundle.index_writer``.
+
+Layout, which readers may rely on: the first line is the header object (every field but
+``tensors``) ending in ``,"tensors":[``; then one entry per line, compact, keys sorted, lines
+joined by ``,``; then ``]}``. ``lookup`` uses it to find one entry of a 497,220-tensor index without
+parsing the other 25 MB; a file in any other JSON layout is still read, by a full parse.
+
+This module is the format and its reader, and imports no torch: ``k3bundle trace`` answers from it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from k3bundle.bundle.common import read_json
 from k3bundle.bundle.errors import BundleError
-from k3bundle.formats import mxfp4
-from k3bundle.io.files import atomic_output
-from k3bundle.plan import Plan
-from k3bundle.plan.files import DeviceTensor, OutFile, shard_files
-from k3bundle.plan.storage import storage_name
-from k3bundle.schema import Format
 
 INDEX_NAME = "weights.index.json"
 INDEX_SCHEMA_VERSION = 1
-
-
-def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
-
-
-def tensor_entry(plan: Plan, f: OutFile, d: DeviceTensor, offset: int) -> dict:
-    """The index entry of one device tensor at data offset ``offset`` of file ``f``."""
-    t, dp, schema = d.target, d.part, plan.schema
-    logical = list(schema.logical_shape(t.role))
-    rows = [t.start, t.stop] if t.split in ("rows", "none") else [0, logical[0]]
-    if t.role.padded and t.split == "none":
-        rows = [0, schema.dims[t.role.unit]]
-    cols = [t.start, t.stop] if t.split == "cols" else ([0, logical[1]] if len(logical) > 1 else None)
-    storage = storage_name(t.rule, t.role)
-    src_part = dp.source_part
-    src: dict = {"file": f.shard, "logical_shape": logical, "rows": rows, "cols": cols}
-    if t.split == "rows" and t.pad:
-        src["pad_rows"] = t.pad
-    if t.split == "cols" and t.pad:
-        src["pad_cols"] = t.pad
-    mx_source = t.role.fmt is Format.MXFP4  # read from the release's MXFP4 pair: the scale is named too
-    suffixes = {"packed": ".weight_packed", "scale": ".weight_scale"}
-    if d.stacked:
-        src["key_template"] = schema.expert_name_template(t.role, t.layer, suffixes[src_part])
-        src["experts"] = list(t.experts)
-        src["expert_stride"] = dp.nbytes
-        if mx_source:
-            src["scale"] = {"key_template": schema.expert_name_template(t.role, t.layer, suffixes["scale"])}
-    else:
-        specs = {s.part: s for s in schema.specs(t.role, t.layer, d.expert)}
-        src["key"] = specs[src_part].name
-        if mx_source:
-            src["scale"] = {"key": specs["scale"].name}
-    if mx_source:
-        c0, c1 = cols
-        src["scale"].update({"rows": rows, "cols": [c0 // mxfp4.BLOCK, c1 // mxfp4.BLOCK]})
-    entry = {
-        "rank": f.rank, "file": f.path, "key": d.name, "dtype": d.dtype, "shape": list(d.shape),
-        "byte_range": [f.data_start + offset, f.data_start + offset + d.nbytes],
-        "role": t.role.role, "layer": t.layer, "storage": storage, "part": dp.part,
-        "transform": dp.transform, "source": src,
-    }
-    if dp.part in ("packed", "weight") and storage not in ("source",):
-        names = {p.part: p for p in plan.parts(t)}
-        scale = {}
-        for part, field in (("scale", "device_key"), ("global_scale", "device_global_key")):
-            if part in names:
-                scale[field] = schema.device_name(t.role, t.layer, None if d.stacked else d.expert,
-                                                  names[part].suffix, stacked=d.stacked)
-        entry["scale"] = scale
-    return entry
-
-
-def iter_entries(plan: Plan, files: Iterable[OutFile]) -> Iterator[dict]:
-    for f in files:
-        for d, off in zip(f.tensors, f.offsets):
-            yield tensor_entry(plan, f, d, off)
-
-
-def write_index(path: str | Path, plan: Plan, source_files: dict[str, dict]) -> tuple[int, int]:
-    """Write ``weights.index.json`` atomically, streaming its entries; return (entries, bytes)."""
-    path = Path(path)
-    files = sorted((f for shard in plan.shards for f in shard_files(plan, shard)),
-                   key=lambda f: (f.rank, f.path))
-    head = {"schema_version": INDEX_SCHEMA_VERSION, "kind": "k3bundle.weights_index",
-            "target": plan.layout.name, "world": len(plan.ranks),
-            "source_files": {k: source_files[k] for k in sorted(source_files)}}
-    n = 0
-    with atomic_output(path) as out:
-        text = _dumps(head)
-        out.write((text[:-1] + ',"tensors":[\n').encode("utf-8"))
-        for entry in iter_entries(plan, files):
-            out.write((("" if n == 0 else ",\n") + _dumps(entry)).encode("utf-8"))
-            n += 1
-        out.write(b"\n]}\n")
-    return n, path.stat().st_size
+INDEX_KIND = "k3bundle.weights_index"
+TENSORS_OPEN = ',"tensors":['  # how the header line ends
 
 
 def read_index(path: str | Path) -> dict:
-    doc = read_json(path, "k3bundle.weights_index", INDEX_SCHEMA_VERSION)
+    doc = read_json(path, INDEX_KIND, INDEX_SCHEMA_VERSION)
     if not isinstance(doc.get("tensors"), list):
         raise BundleError(f"{path}: 'tensors' is missing or not a list")
     return doc
+
+
+def find_entry(index: dict, rank: int, key: str) -> dict:
+    """The entry of device tensor ``key`` on ``rank`` in a parsed index; a miss names near keys."""
+    for e in index["tensors"]:
+        if e["rank"] == rank and e["key"] == key:
+            return e
+    keys = sorted({e["key"] for e in index["tensors"] if e["rank"] == rank})
+    if not keys:
+        ranks = sorted({e["rank"] for e in index["tensors"]})
+        raise BundleError(f"rank {rank} has no tensors (ranks 0..{ranks[-1] if ranks else -1})")
+    near = [k for k in keys if key.split(".")[-1] in k][:3]
+    hint = f"; e.g. {', '.join(near)}" if near else ""
+    raise BundleError(f"rank {rank} has no tensor {key!r} ({len(keys)} tensors){hint}")
+
+
+def lookup(path: str | Path, rank: int, key: str) -> tuple[dict, dict]:
+    """(the index's header without ``tensors``, the entry of ``key`` on ``rank``), reading the file
+    once and parsing only the header line and the lines that name ``key``. A file not in the line
+    layout above, or a miss (whose error lists near keys), falls back to the full parse."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise BundleError(f"{path}: not found") from None
+    except OSError as e:
+        raise BundleError(f"{path}: not readable: {e}") from None
+    first = data.find(b"\n")
+    head_line = data[:first] if first >= 0 else b""
+    if head_line.endswith(TENSORS_OPEN.encode()):
+        try:
+            head = json.loads(head_line[:-len(TENSORS_OPEN)] + b"}")
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            head = None
+        if isinstance(head, dict) and head.get("kind") == INDEX_KIND and head.get("schema_version") == INDEX_SCHEMA_VERSION:
+            needle = b'"key":' + json.dumps(key, ensure_ascii=False).encode("utf-8") + b","
+            at = data.find(needle, first)
+            while at >= 0:  # the device key, or a source key of the same name: parse the line to tell
+                start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+                line = data[start:end if end >= 0 else len(data)]
+                try:
+                    e = json.loads(line[:-1] if line.endswith(b",") else line)
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    break  # not one entry per line after all: parse the whole file
+                if e.get("rank") == rank and e.get("key") == key:
+                    return head, e
+                at = data.find(needle, end if end >= 0 else len(data))
+    index = read_index(path)
+    return {k: v for k, v in index.items() if k != "tensors"}, find_entry(index, rank, key)

@@ -16,33 +16,19 @@ import math
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.bundle.index import INDEX_NAME, read_index
-from k3bundle.formats import mxfp4, nvfp4
-from k3bundle.formats.scale_swizzle import TILE_COLS, TILE_ROWS
+from k3bundle.bundle.index import INDEX_NAME, find_entry, lookup
+from k3bundle.formats.geometry import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 from k3bundle.io.dtypes import dtype_bits
-
-
-def find_entry(index: dict, rank: int, key: str) -> dict:
-    for e in index["tensors"]:
-        if e["rank"] == rank and e["key"] == key:
-            return e
-    keys = sorted({e["key"] for e in index["tensors"] if e["rank"] == rank})
-    if not keys:
-        ranks = sorted({e["rank"] for e in index["tensors"]})
-        raise BundleError(f"rank {rank} has no tensors (ranks 0..{ranks[-1] if ranks else -1})")
-    near = [k for k in keys if key.split(".")[-1] in k][:3]
-    hint = f"; e.g. {', '.join(near)}" if near else ""
-    raise BundleError(f"rank {rank} has no tensor {key!r} ({len(keys)} tensors){hint}")
 
 
 def _unswizzle_index(k: int, scale_cols: int) -> tuple[int, int]:
     """Position ``k`` of a swizzled 128x4 scale layout -> (row, col) of the row-major matrix."""
-    n_ct = math.ceil(scale_cols / TILE_COLS)
-    tile, w = divmod(k, TILE_ROWS * TILE_COLS)
+    n_ct = math.ceil(scale_cols / SWIZZLE_TILE_COLS)
+    tile, w = divmod(k, SWIZZLE_TILE_ROWS * SWIZZLE_TILE_COLS)
     rt, ct = divmod(tile, n_ct)
     p, rest = divmod(w, 16)
-    q, c = divmod(rest, TILE_COLS)
-    return rt * TILE_ROWS + q * 32 + p, ct * TILE_COLS + c
+    q, c = divmod(rest, SWIZZLE_TILE_COLS)
+    return rt * SWIZZLE_TILE_ROWS + q * 32 + p, ct * SWIZZLE_TILE_COLS + c
 
 
 def source_key(src: dict, expert: int | None, which: str = "data") -> str:
@@ -55,8 +41,10 @@ def source_key(src: dict, expert: int | None, which: str = "data") -> str:
 
 def trace(bundle: str | Path, rank: int, key: str, offset: int | None = None, index: dict | None = None) -> dict:
     """The source of device tensor ``key`` on ``rank``; with ``offset``, of that byte of its data."""
-    index = index or read_index(Path(bundle) / INDEX_NAME)
-    e = find_entry(index, rank, key)
+    if index is None:  # one entry of the file, without parsing the rest (bundle/index.py "Layout")
+        index, e = lookup(Path(bundle) / INDEX_NAME, rank, key)
+    else:
+        e = find_entry(index, rank, key)
     src = e["source"]
     out = {k: e[k] for k in ("rank", "file", "key", "dtype", "shape", "byte_range", "role", "layer",
                              "storage", "part", "transform")}
@@ -92,7 +80,7 @@ def _trace_byte(e: dict, offset: int) -> dict:
         res["expert"] = expert
     skey = source_key(src, expert)
     if "swizzle" in transform:  # flat swizzled scale: back to (row, block) of the row-major matrix
-        block = nvfp4.BLOCK if storage == "nvfp4" else mxfp4.BLOCK
+        block = NVFP4_BLOCK if storage == "nvfp4" else MXFP4_BLOCK
         pad_cols = src.get("pad_cols", 0)
         scale_cols = (n_cols + pad_cols) // block
         i, j = _unswizzle_index(elem, scale_cols)
@@ -114,9 +102,9 @@ def _trace_byte(e: dict, offset: int) -> dict:
                         "cols": src["scale"]["cols"]}
         return res
     # logical source columns per device column, and rows per device row, of this part
-    per_col = {"packed": 2, "scale": {"nvfp4": nvfp4.BLOCK, "fp8-e4m3-block128": 128}.get(storage, mxfp4.BLOCK)
+    per_col = {"packed": 2, "scale": {"nvfp4": NVFP4_BLOCK, "fp8-e4m3-block128": FP8_BLOCK}.get(storage, MXFP4_BLOCK)
                }.get(part, 1)
-    per_row = 128 if (storage, part) == ("fp8-e4m3-block128", "scale") else 1
+    per_row = FP8_BLOCK if (storage, part) == ("fp8-e4m3-block128", "scale") else 1
     if i >= math.ceil(n_rows / per_row) or (
             "pad_cols" in src and len(shape) > 1 and j >= math.ceil(n_cols / per_col)):
         res["padding"] = True
@@ -147,34 +135,34 @@ def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storag
             b = row * (C // 2) + col
             res["source"] = {"file": src["file"], "key": skey, "element": [row, col], "bytes": [b, b + 1],
                              "logical_cols": [2 * col, 2 * col + 2]}
-            sc = (2 * col) // mxfp4.BLOCK
+            sc = (2 * col) // MXFP4_BLOCK
             res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
-                            "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1]}
+                            "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1]}
         else:
-            col = c0 // mxfp4.BLOCK + j
-            b = row * (C // mxfp4.BLOCK) + col
+            col = c0 // MXFP4_BLOCK + j
+            b = row * (C // MXFP4_BLOCK) + col
             res["source"] = {"file": src["file"], "key": skey, "element": [row, col], "bytes": [b, b + 1],
-                             "logical_cols": [col * mxfp4.BLOCK, (col + 1) * mxfp4.BLOCK]}
+                             "logical_cols": [col * MXFP4_BLOCK, (col + 1) * MXFP4_BLOCK]}
         return res
     if storage == "nvfp4":
         skey_packed = source_key(src, expert)
         if part == "packed":
             col = c0 // 2 + j
-            sc = (2 * col) // mxfp4.BLOCK
+            sc = (2 * col) // MXFP4_BLOCK
             res["source"] = {"file": src["file"], "key": skey_packed, "element": [row, col],
                              "bytes": [row * (C // 2) + col, row * (C // 2) + col + 1],
                              "logical_cols": [2 * col, 2 * col + 2],
                              "note": "same E2M1 codes as this source byte when its 32-block fits E4M3 "
                                      "(else re-quantized: manifest nvfp4_requantized)"}
         else:
-            lc = c0 + j * nvfp4.BLOCK
-            sc = lc // mxfp4.BLOCK
+            lc = c0 + j * NVFP4_BLOCK
+            sc = lc // MXFP4_BLOCK
             res["source"] = {"file": src["file"], "key": skey, "element": [row, sc],
-                             "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1],
-                             "logical_cols": [lc, lc + nvfp4.BLOCK]}
+                             "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1],
+                             "logical_cols": [lc, lc + NVFP4_BLOCK]}
             return res
         res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
-                        "bytes": [row * (C // mxfp4.BLOCK) + sc, row * (C // mxfp4.BLOCK) + sc + 1]}
+                        "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1]}
         return res
     # derived from BF16: fp8-e4m3-channel / fp8-e4m3-block128 / mxfp4-from-bf16
     def elems(r0: int, r1: int, k0: int, k1: int) -> dict:
@@ -187,9 +175,9 @@ def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storag
     elif storage == "fp8-e4m3-channel":  # the row's scale <- the whole row of the slice
         res["source"] = elems(row, row + 1, c0, c0 + (cols[1] - cols[0]))
     elif storage == "fp8-e4m3-block128":
-        r0, k0 = rows[0] + 128 * i, c0 + 128 * j
-        res["source"] = elems(r0, min(r0 + 128, rows[1]), k0, min(k0 + 128, cols[1]))
+        r0, k0 = rows[0] + FP8_BLOCK * i, c0 + FP8_BLOCK * j
+        res["source"] = elems(r0, min(r0 + FP8_BLOCK, rows[1]), k0, min(k0 + FP8_BLOCK, cols[1]))
     else:  # mxfp4-from-bf16 scale: one 32-block
-        k0 = c0 + mxfp4.BLOCK * j
-        res["source"] = elems(row, row + 1, k0, k0 + mxfp4.BLOCK)
+        k0 = c0 + MXFP4_BLOCK * j
+        res["source"] = elems(row, row + 1, k0, k0 + MXFP4_BLOCK)
     return res

@@ -100,15 +100,15 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
     requantized = {q["source_key"]: q["blocks"] for q in manifest.get("nvfp4_requantized", [])}
     instances = slices = 0
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many small tensors: intra-op threads only contend
     stacked: set[tuple[str, int | None]] = set()
     try:
         for role, layer in _recoded(index):  # routed experts stored stacked: a whole rank's stack at once
-            if ROLE_BY_NAME[role].scope is Scope.EXPERT:
+            if ROLE_BY_NAME[role].scope is Scope.EXPERT:  # (large tensors: torch's intra-op threads help)
                 done = _check_expert_stacks(bw, src, conv, requantized, role, layer, fail)
                 if done is not None:
                     stacked.add((role, layer))
                     instances, slices = instances + done[0], slices + done[1]
+        torch.set_num_threads(1)  # the rest is many small tensors: intra-op threads only contend
         for role, layer, expert in _instances(index, bw.config.text.num_experts):
             if (role, layer) in stacked:
                 continue
@@ -157,8 +157,8 @@ def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requant
     n = bw.config.text.num_experts
     name = src.schema.name
     keys = [name(role, layer, e, part="packed") for e in range(n)]  # each name once: the schema's rule
-    packed = torch.stack([src.get(k) for k in keys])
-    scale = torch.stack([src.get(name(role, layer, e, part="scale")) for e in range(n)])
+    packed = src.get_stack(keys)
+    scale = src.get_stack([name(role, layer, e, part="scale") for e in range(n)])
     full = mxfp4.dequantize(packed, scale, torch.float32)  # [experts, rows, cols]
     slices = 0
     for entry, (a, b), value in stacks:

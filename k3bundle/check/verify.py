@@ -47,7 +47,8 @@ import torch
 
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
-from k3bundle.bundle.index import INDEX_NAME, read_index, write_index
+from k3bundle.bundle.index import INDEX_NAME, read_index
+from k3bundle.bundle.index_writer import write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
 from k3bundle.check.trace import source_key
 from k3bundle.check.values import check_values
@@ -57,7 +58,7 @@ from k3bundle.convert.run import LAYOUT_PATH, convert_shard, worker_init
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
-from k3bundle.formats.scale_swizzle import unswizzle
+from k3bundle.formats.scale_swizzle import unswizzle, unswizzle_stack
 from k3bundle.io import SafetensorsFile, read_header
 from k3bundle.io.dtypes import dtype_bits
 from k3bundle.io.files import sha256_file
@@ -275,10 +276,11 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     # 5: reassembly of every pass-through tensor from the rank slices
-    _reassemble(bundle, source, index, src.schema, report)
-    # 6: every re-coded tensor's values, read through the declared convention
-    report.value_checked_tensors, report.value_checked_slices = check_values(bundle, src, index, manifest,
-                                                                             report.fail)
+    with src:
+        _reassemble(bundle, src, index, report)
+        # 6: every re-coded tensor's values, read through the declared convention
+        report.value_checked_tensors, report.value_checked_slices = check_values(bundle, src, index, manifest,
+                                                                                 report.fail)
 
 
 def _rederive(plan, expected: dict[str, str | None], source: Path, scratch: Path, workers: int):
@@ -337,32 +339,63 @@ def _first_difference(a: Path, b: Path, path: str, index: dict) -> str:
     return f"{path}: differs from its re-derivation from the source at byte {pos}{where}"
 
 
-def _reassemble(bundle: Path, source: Path, index: dict, schema, report: VerifyReport) -> None:
-    """Check every pass-through source tensor against the rank slices that hold it."""
+def _reassemble(bundle: Path, src: SourceCheckpoint, index: dict, report: VerifyReport) -> None:
+    """Check every pass-through source tensor against the rank slices that hold it. A rank's stacked
+    experts are compared as one stack (``_compare_stack``), every other slice by itself."""
     slices: dict[str, list[tuple[dict, int | None]]] = {}
+    differ: set[str] = set()  # source keys a stack comparison found wrong
     for e in index["tensors"]:
         if e["transform"] not in EXACT_TRANSFORMS:
             continue
-        src = e["source"]
-        experts = range(*src["experts"]) if "experts" in src else (None,)
-        for x in experts:
-            key = source_key(src, x)
-            slices.setdefault(key, []).append((e, x))
-    opened: dict[str, SafetensorsFile] = {}
-    try:
-        for key in sorted(slices):
-            entries = slices[key]
-            file = entries[0][0]["source"]["file"]
-            sf = opened.get(file) or opened.setdefault(file, SafetensorsFile(source / file))
-            info = sf.info(key)
-            ok = _coverage(key, entries, info, schema, ROLE_BY_NAME, sf, report)
-            for e, x in entries:
+        s = e["source"]
+        for x in range(*s["experts"]) if "experts" in s else (None,):
+            slices.setdefault(source_key(s, x), []).append((e, x))
+        if "expert_stride" in s:
+            differ |= _compare_stack(bundle, e, src, report)
+    for key in sorted(slices):
+        entries = slices[key]
+        sf = src.shard_file(entries[0][0]["source"]["file"])
+        info = sf.info(key)
+        ok = _coverage(key, entries, info, src.schema, ROLE_BY_NAME, sf, report) and key not in differ
+        for e, x in entries:
+            if "expert_stride" not in e["source"]:
                 ok &= _compare_slice(bundle, e, x, sf, info, report)
-                report.reassembled_slices += 1
-            report.reassembled_tensors += ok
-    finally:
-        for sf in opened.values():
-            sf.close()
+            report.reassembled_slices += 1
+        report.reassembled_tensors += ok
+
+
+def _compare_stack(bundle: Path, e: dict, src: SourceCheckpoint, report: VerifyReport) -> set[str]:
+    """``_compare_slice`` for every expert of a stacked device tensor, ``CHUNK`` bytes of source
+    experts at a time; an expert that differs is compared again by itself, which names the place.
+    Returns the source keys of the experts that differ."""
+    s = e["source"]
+    first, stop = s["experts"]
+    keys = [source_key(s, x) for x in range(first, stop)]
+    sf = src.shard_file(s["file"])
+    info = sf.info(keys[0])
+    es, div, c0, c1 = _geometry(e, info)
+    rows_total = info.shape[0] if info.shape else 1
+    row_bytes = info.nbytes // rows_total
+    (r0, r1), stride = s["rows"], s["expert_stride"]
+    w, pad_w = (c1 - c0) * es, s.get("pad_cols", 0) // div * es
+    n_rows = r1 - r0 + s.get("pad_rows", 0)
+    differ: set[str] = set()
+    step = max(1, CHUNK // max(info.nbytes, 1))
+    with open(bundle / e["file"], "rb") as f:
+        for a in range(0, len(keys), step):
+            chunk = keys[a: a + step]
+            f.seek(e["byte_range"][0] + a * stride)
+            dev = torch.frombuffer(bytearray(f.read(len(chunk) * stride)), dtype=torch.uint8).reshape(len(chunk), stride)
+            if e["transform"] == "swizzle-128x4":
+                dev = unswizzle_stack(dev, n_rows, (w + pad_w) // es)
+            dev = dev.reshape(len(chunk), n_rows, w + pad_w)
+            want = src.get_stack(chunk).view(torch.uint8).reshape(len(chunk), rows_total, row_bytes)
+            same = (dev[:, : r1 - r0, :w] == want[:, r0:r1, c0 * es: c1 * es]).flatten(1).all(1)
+            same &= (dev[:, r1 - r0:] == 0).flatten(1).all(1) & (dev[:, :, w:] == 0).flatten(1).all(1)  # padding
+            for i in (~same).nonzero().flatten().tolist():
+                differ.add(chunk[i])
+                _compare_slice(bundle, e, first + a + i, sf, sf.info(chunk[i]), report)  # names the place
+    return differ
 
 
 def _geometry(e: dict, info) -> tuple[int, int, int, int]:

@@ -9,21 +9,6 @@ import sys
 import typer
 
 from k3bundle import __version__, runtime
-from k3bundle.cli import demo as demo_cmd
-from k3bundle.cli import golden as golden_cmd
-from k3bundle.cli import inspect as inspect_cmd
-from k3bundle.cli import pull as pull_cmd
-from k3bundle.cli import run as run_cmd
-from k3bundle.cli import schema as schema_cmd
-from k3bundle.cli import synth as synth_cmd
-from k3bundle.cli import validate as validate_cmd
-from k3bundle.cli import plan as plan_cmd
-from k3bundle.cli import convert as convert_cmd
-from k3bundle.cli import verify as verify_cmd
-from k3bundle.cli import trace as trace_cmd
-from k3bundle.cli import checklist as checklist_cmd
-from k3bundle.cli import kernels as kernels_cmd
-from k3bundle.cli import report as report_cmd
 from k3bundle.errors import K3Error
 
 app = typer.Typer(
@@ -41,21 +26,38 @@ def _epilog(examples: list[str]) -> str:
     return "Examples:\n\n" + "\n\n".join(f"  $ {e}" for e in examples)
 
 
-app.command("synth", epilog=_epilog(synth_cmd.EXAMPLES))(synth_cmd.synth)
-app.command("schema", epilog=_epilog(schema_cmd.EXAMPLES))(schema_cmd.schema)
-app.command("inspect", epilog=_epilog(inspect_cmd.EXAMPLES))(inspect_cmd.inspect)
-app.command("plan", epilog=_epilog(plan_cmd.EXAMPLES))(plan_cmd.plan)
-app.command("convert", epilog=_epilog(convert_cmd.EXAMPLES))(convert_cmd.convert)
-app.command("verify", epilog=_epilog(verify_cmd.EXAMPLES))(verify_cmd.verify)
-app.command("trace", epilog=_epilog(trace_cmd.EXAMPLES))(trace_cmd.trace)
-app.command("run", epilog=_epilog(run_cmd.EXAMPLES))(run_cmd.run)
-app.command("kernels", epilog=_epilog(kernels_cmd.EXAMPLES))(kernels_cmd.kernels)
-app.command("pull", epilog=_epilog(pull_cmd.EXAMPLES))(pull_cmd.pull)
-app.command("golden", epilog=_epilog(golden_cmd.EXAMPLES))(golden_cmd.golden)
-app.command("validate", epilog=_epilog(validate_cmd.EXAMPLES))(validate_cmd.validate)
-app.command("demo", epilog=_epilog(demo_cmd.EXAMPLES))(demo_cmd.demo)
-app.command("checklist", epilog=_epilog(checklist_cmd.EXAMPLES))(checklist_cmd.checklist)
-app.add_typer(report_cmd.app, name="report")
+#: Command name -> the module under ``k3bundle.cli`` that defines it (a function of the same name, or
+#: for a group, ``app``), in the order ``--help`` lists them.
+COMMANDS = {
+    "synth": "synth", "schema": "schema", "inspect": "inspect", "plan": "plan", "convert": "convert",
+    "verify": "verify", "trace": "trace", "run": "run", "kernels": "kernels", "pull": "pull",
+    "golden": "golden", "validate": "validate", "demo": "demo", "checklist": "checklist", "report": "report",
+}
+
+
+_registered: set[str] = set()
+
+
+def register(names) -> None:
+    """Add the commands ``names`` to the app. Only the commands a process runs are imported: the
+    command modules import their libraries (torch among them) at the top, and a command that needs
+    none, such as ``trace``, must not pay the 1-2 s that importing them all costs."""
+    for name in names:
+        if name in _registered:
+            continue
+        _registered.add(name)
+        module = importlib.import_module(f"k3bundle.cli.{COMMANDS[name]}")
+        if isinstance(getattr(module, "app", None), typer.Typer):
+            app.add_typer(module.app, name=name)
+        else:
+            app.command(name, epilog=_epilog(module.EXAMPLES))(getattr(module, name))
+
+
+def _invoked(argv: list[str]) -> list[str]:
+    """The commands to register for ``argv``: the one named first (options before it are only the
+    root's eager ``--version``/``--help``), or all of them for the root's help and usage errors."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return [first] if first in COMMANDS else list(COMMANDS)
 
 
 def _version(value: bool) -> None:
@@ -86,6 +88,7 @@ def _run_app() -> None:
     """Run the app: known errors become one line on stderr and exit code 2; a usage error prints
     the usage and exits 2, whatever typer or click version is installed."""
     try:
+        register(_invoked(sys.argv[1:]))
         runtime.apply()  # torch's thread count; the wait policy was set in k3bundle/cli/__init__.py
         rc = app(standalone_mode=False)  # click returns typer.Exit's code here instead of exiting
         if isinstance(rc, int) and rc:

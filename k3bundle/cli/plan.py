@@ -37,7 +37,7 @@ def plan(
     out = Output(json_)
     summary = p.summary()
     if tensors:
-        from k3bundle.bundle.index import iter_entries
+        from k3bundle.bundle.index_writer import iter_entries
         from k3bundle.plan.files import all_files
 
         entries = iter_entries(p, sorted(all_files(p), key=lambda f: (f.rank, f.path)))

@@ -41,7 +41,8 @@ from pathlib import Path
 from k3bundle import __version__
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
-from k3bundle.bundle.index import INDEX_NAME, write_index
+from k3bundle.bundle.index import INDEX_NAME
+from k3bundle.bundle.index_writer import write_index
 from k3bundle.bundle.manifest import MANIFEST_NAME
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal, recorded

@@ -5,8 +5,17 @@ Modules: ``e2m1`` (FP4 element codes), ``mxfp4`` (OCP MX, E8M0 per 32),
 ``scale_swizzle`` (Blackwell 128x4 scale layout).
 
 The storage formats a layout names (``k3bundle.storage``) are built on these codecs.
+
+Their block geometry is in ``geometry`` as plain numbers, importable without torch; the codec
+modules load on first use (PEP 562), so importing ``geometry`` loads nothing else.
 """
 
-from k3bundle.formats import e2m1, fp8, mxfp4, nvfp4, scale_swizzle
+import importlib
 
-__all__ = ["e2m1", "fp8", "mxfp4", "nvfp4", "scale_swizzle"]
+__all__ = ["e2m1", "fp8", "geometry", "mxfp4", "nvfp4", "scale_swizzle"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,8 +43,8 @@ import torch
 
 from k3bundle.errors import CodecError
 from k3bundle.formats import e2m1, mxfp4_gpu
+from k3bundle.formats.geometry import MXFP4_BLOCK as BLOCK
 
-BLOCK = 32
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 SCALE_RULES = ("floor", "rceil", "even")

@@ -27,8 +27,8 @@ import torch
 
 from k3bundle.errors import CodecError
 from k3bundle.formats import e2m1, mxfp4
+from k3bundle.formats.geometry import NVFP4_BLOCK as BLOCK
 
-BLOCK = 16
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 E4M3_NAN = 0x7F

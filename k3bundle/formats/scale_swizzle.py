@@ -14,8 +14,8 @@ is 512 bytes where element (r, c) of the tile sits at
 import torch
 
 from k3bundle.errors import CodecError
-
-TILE_ROWS, TILE_COLS = 128, 4
+from k3bundle.formats.geometry import SWIZZLE_TILE_COLS as TILE_COLS
+from k3bundle.formats.geometry import SWIZZLE_TILE_ROWS as TILE_ROWS
 
 
 def _tiles(rows: int, cols: int) -> tuple[int, int]:

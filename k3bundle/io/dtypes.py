@@ -10,46 +10,63 @@ spec's rule for a tensor's byte length.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-
-def _torch(name: str) -> Optional[torch.dtype]:
-    # Older torch builds lack the float8 and unsigned types; they map to None, not to an if.
-    return getattr(torch, name, None)
-
-
-#: safetensors dtype string -> (torch dtype or None, element size in bits).
-SAFETENSORS_DTYPES: dict[str, tuple[Optional[torch.dtype], int]] = {
-    "BOOL": (torch.bool, 8),
+#: safetensors dtype string -> (name of the torch dtype, or None, element size in bits). Names, not
+#: torch objects, so that the table (and ``dtype_bits``) is importable without torch: ``k3bundle
+#: trace`` maps bytes with it and never loads torch.
+DTYPES: dict[str, tuple[Optional[str], int]] = {
+    "BOOL": ("bool", 8),
     "F4": (None, 4),  # OCP MX e2m1 element; torch only has the packed pair type
     "F6_E2M3": (None, 6),  # OCP MX FP6
     "F6_E3M2": (None, 6),  # OCP MX FP6
-    "U8": (torch.uint8, 8),
-    "I8": (torch.int8, 8),
-    "F8_E5M2": (_torch("float8_e5m2"), 8),
-    "F8_E4M3": (_torch("float8_e4m3fn"), 8),
-    "F8_E4M3FNUZ": (_torch("float8_e4m3fnuz"), 8),  # python binding only
-    "F8_E5M2FNUZ": (_torch("float8_e5m2fnuz"), 8),  # python binding only
-    "F8_E8M0": (_torch("float8_e8m0fnu"), 8),  # MX block scale
-    "I16": (torch.int16, 16),
-    "U16": (_torch("uint16"), 16),
-    "F16": (torch.float16, 16),
-    "BF16": (torch.bfloat16, 16),
-    "I32": (torch.int32, 32),
-    "U32": (_torch("uint32"), 32),
-    "F32": (torch.float32, 32),
-    "C64": (torch.complex64, 64),
-    "F64": (torch.float64, 64),
-    "I64": (torch.int64, 64),
-    "U64": (_torch("uint64"), 64),
+    "U8": ("uint8", 8),
+    "I8": ("int8", 8),
+    "F8_E5M2": ("float8_e5m2", 8),
+    "F8_E4M3": ("float8_e4m3fn", 8),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 8),  # python binding only
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 8),  # python binding only
+    "F8_E8M0": ("float8_e8m0fnu", 8),  # MX block scale
+    "I16": ("int16", 16),
+    "U16": ("uint16", 16),
+    "F16": ("float16", 16),
+    "BF16": ("bfloat16", 16),
+    "I32": ("int32", 32),
+    "U32": ("uint32", 32),
+    "F32": ("float32", 32),
+    "C64": ("complex64", 64),
+    "F64": ("float64", 64),
+    "I64": ("int64", 64),
+    "U64": ("uint64", 64),
 }
 
-#: torch dtype -> safetensors dtype string (only the rows this torch can hold).
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
-    dt: name for name, (dt, _bits) in SAFETENSORS_DTYPES.items() if dt is not None
-}
+_TORCH_TABLES: tuple[dict, dict] | None = None
+
+
+def _torch_tables() -> tuple[dict, dict]:
+    """(``SAFETENSORS_DTYPES``, ``TORCH_TO_SAFETENSORS``), built from ``DTYPES`` on first use."""
+    global _TORCH_TABLES
+    if _TORCH_TABLES is None:
+        import torch
+
+        # Older torch builds lack the float8 and unsigned types; they map to None, not to an if.
+        rows = {k: (getattr(torch, n, None) if n else None, bits) for k, (n, bits) in DTYPES.items()}
+        _TORCH_TABLES = rows, {dt: k for k, (dt, _bits) in rows.items() if dt is not None}
+    return _TORCH_TABLES
+
+
+def __getattr__(name: str):
+    # SAFETENSORS_DTYPES: str -> (torch dtype or None, bits); TORCH_TO_SAFETENSORS: torch dtype -> str
+    # (only the rows this torch can hold). Module attributes built on first access (PEP 562).
+    if name == "SAFETENSORS_DTYPES":
+        return _torch_tables()[0]
+    if name == "TORCH_TO_SAFETENSORS":
+        return _torch_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Largest byte length the spec allows (``usize`` on a 64-bit host).
 MAX_NBYTES = 2**64 - 1
@@ -64,10 +81,10 @@ def dtype_bits(dtype: str) -> int:
     Returns:
         `int`: bits per element. Raises ``KeyError`` for an unknown dtype.
     """
-    return SAFETENSORS_DTYPES[dtype][1]
+    return DTYPES[dtype][1]
 
 
-def to_torch(dtype: str) -> Optional[torch.dtype]:
+def to_torch(dtype: str) -> Optional["torch.dtype"]:
     """The torch dtype for a safetensors dtype string, or ``None`` if torch cannot hold it.
 
     Args:
@@ -76,10 +93,10 @@ def to_torch(dtype: str) -> Optional[torch.dtype]:
     Returns:
         `torch.dtype | None`
     """
-    return SAFETENSORS_DTYPES[dtype][0]
+    return _torch_tables()[0][dtype][0]
 
 
-def from_torch(dtype: torch.dtype) -> str:
+def from_torch(dtype: "torch.dtype") -> str:
     """The safetensors dtype string for a torch dtype.
 
     Args:
@@ -88,7 +105,7 @@ def from_torch(dtype: torch.dtype) -> str:
     Returns:
         `str`: e.g. ``"BF16"``.
     """
-    return TORCH_TO_SAFETENSORS[dtype]
+    return _torch_tables()[1][dtype]
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:

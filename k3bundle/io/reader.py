@@ -325,12 +325,18 @@ class SafetensorsFile:
         ...     w = sf.get_rows("lm_head.weight", 0, 128)
     """
 
-    def __init__(self, path: PathLike, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES):
+    def __init__(self, path: PathLike, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 header: Optional[SafetensorsHeader] = None):
         self.path = os.fspath(path)
         self._fd = _open(self.path)
         try:
             size = os.fstat(self._fd).st_size
-            self.header = _parse_header(self._fd, self.path, size, max_header_bytes)
+            if header is not None and header.file_size != size:  # validated before: it must still fit
+                raise SafetensorsError(f"{self.path}: {size} bytes now, {header.file_size} when its header "
+                                       "was read; the file changed")
+            # ``header``: this file's header as ``read_header`` returned it (a checkpoint's index check
+            # reads all of them first; 497,220 entries are not parsed twice)
+            self.header = header or _parse_header(self._fd, self.path, size, max_header_bytes)
         except BaseException:
             os.close(self._fd)
             self._fd = -1
@@ -436,6 +442,24 @@ class SafetensorsFile:
         """
         info = self.info(key)
         return self._tensor(info, 0, info.nbytes, info.shape)
+
+    def get_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Read one whole tensor into ``out`` (contiguous, CPU, its dtype and shape), e.g. one row of
+        a stack: thousands of small experts read without a tensor and a copy each.
+
+        Returns:
+            `torch.Tensor`: ``out``.
+        """
+        info = self.info(key)
+        if out.dtype != info.torch_dtype or tuple(out.shape) != info.shape or not out.is_contiguous() \
+                or out.device.type != "cpu":
+            raise SafetensorsError(
+                f"{self.path}: tensor '{key}' is {info.dtype} {list(info.shape)}; cannot read it into a "
+                f"{out.dtype} {list(out.shape)} {out.device.type} tensor"
+                + ("" if out.is_contiguous() else " that is not contiguous"))
+        if info.nbytes:
+            self._read_into(memoryview(out.view(torch.uint8).numpy()).cast("B"), info.abs_begin)
+        return out
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Read rows ``start:stop`` of dim 0 (only those rows' bytes).

@@ -8,9 +8,8 @@ import numpy as np
 import torch
 
 from k3bundle.formats import fp8
+from k3bundle.formats.geometry import FP8_BLOCK as BLOCK
 from k3bundle.storage.base import DevicePart, StorageFormat, bf16_linear_misfit, bf16_rows, u8
-
-BLOCK = 128
 
 
 class FP8Block128(StorageFormat):
