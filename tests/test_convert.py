@@ -435,3 +435,24 @@ def test_cli_convert_json(tiny_ckpt, tmp_path):
     assert r.returncode == 2 and "already a complete bundle" in r.stderr
 
 
+
+
+def test_source_hash_one_block_behind_equals_hashlib_of_the_whole_stream():
+    """convert hashes the source on a thread, one block behind the reader (big blocks) or in place
+    (small ones): the digest must be sha256 of the bytes in order, as hashlib computes it at once."""
+    import hashlib
+
+    import numpy as np
+
+    from k3bundle.convert.unit import _HashBehind
+
+    rng = np.random.default_rng(0)
+    sizes = [3, 5 << 20, 17, 2 << 20, (1 << 20) - 1, 1 << 20, 0, 9 << 20, 100]
+    blocks = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    h = _HashBehind()
+    for b in blocks:
+        h.update(b)
+    try:
+        assert h.hexdigest() == hashlib.sha256(b"".join(b.tobytes() for b in blocks)).hexdigest()
+    finally:
+        h.close()

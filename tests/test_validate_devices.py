@@ -161,3 +161,39 @@ def test_resident_budget_is_never_exceeded(tiny_ckpt, tmp_path_factory):
     for layer in range(part.config.text.num_hidden_layers):
         part.layer(layer)
     assert 0 < part.kept_bytes <= budget < full.kept_bytes
+
+
+def test_host_resident_budget_is_capped_whatever_the_ram():
+    """On a CPU device the cache is bounded in bytes, not only as a share of the RAM: a command's peak
+    RSS must not grow with the machine (docs/performance.md "Release scale")."""
+    from k3bundle.executor.weights import HOST_RESIDENT_MAX, RESIDENT_SHARE, resident_budget
+
+    available = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable:")).split()[1]) * 1024
+    for dtype, share in RESIDENT_SHARE.items():
+        assert resident_budget("cpu", dtype) == min(int(available * share), HOST_RESIDENT_MAX) or \
+            abs(resident_budget("cpu", dtype) - available * share) < 64 << 20  # MemAvailable moves between reads
+        assert resident_budget("cpu", dtype) <= HOST_RESIDENT_MAX
+        assert resident_budget("cpu", dtype, processes=4) <= HOST_RESIDENT_MAX // 4
+
+
+@pytest.mark.parametrize("name", ["b300-tp8", "h200-tp16-ep16", "gb300-dep16"])
+def test_stacked_experts_decoded_as_one_stack_equal_the_one_by_one_reads(tiny_ckpt, tmp_path_factory, name):
+    """The grouped MoE form asks a bundle for a group of experts at once (ops.expert_weight.values):
+    each rank's slices are decoded as one stack. The oracle is the one-expert read (_tensor), merged
+    and per rank, bit for bit; a group's values come back in the order asked."""
+    from tests._bundles import bundle_for
+    from k3bundle.bundle.weights import BundleWeights
+    from k3bundle.ops.expert_weight import values
+
+    bundle = bundle_for(name, tiny_ckpt, tmp_path_factory)
+    for rank in (None, 1):
+        bw = BundleWeights(bundle, dtype="float32", rank=rank)
+        moe = next(i for i in range(bw.config.text.num_hidden_layers) if bw.config.text.is_moe(i))
+        W = bw.layer(moe)
+        ids = [e for e in (5, 0, 3, 7, 2) if W.stored_expert(e) is not None]
+        experts = [W.stored_expert(e) for e in ids]
+        for role in ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3"):
+            got = values([E[role] for E in experts])
+            for e, E, v in zip(ids, experts, got):
+                assert E[role].shape == tuple(v.shape)
+                assert torch.equal(v, bw._tensor(role, moe, e)), (name, rank, role, e)

@@ -225,6 +225,57 @@ class BundleWeights(WeightSource):
                         _unpad(value, src, stacked=True)))
         return out
 
+    def _stacked_regions(self, role: str, layer: int) -> tuple[tuple[int, ...], dict[int, dict]] | None:
+        """(an expert's value shape here, {rank: {part: entry}}) where every slice of this routed
+        role is a stacked tensor and no two ranks hold the same region (no replica to compare);
+        None otherwise (then experts are read one by one)."""
+        by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
+        regions = set()
+        for e in self.entries.get((role, layer), []):
+            src = e["source"]
+            if "expert_stride" not in src:
+                return None
+            by_rank[e["rank"]][e["part"]] = e
+            regions.add((e["rank"], tuple(src["rows"]), tuple(src.get("cols") or ()), tuple(src["experts"])))
+        if not by_rank:
+            return None
+        cover = [(r, c, x) for _, r, c, x in regions]
+        if len(set(cover)) != len(cover):  # replicas: the one-by-one path checks that they agree
+            return None
+        src = next(iter(next(iter(by_rank.values())).values()))["source"]
+        if self.rank is None:
+            shape = tuple(src["logical_shape"])
+        else:
+            (r0, r1), cols = src["rows"], src.get("cols")
+            shape = (r1 - r0, *((cols[1] - cols[0],) if cols is not None else src["logical_shape"][1:]))
+        return shape, by_rank
+
+    def _expert_values(self, role: str, layer: int, ids: list[int]) -> list[torch.Tensor]:
+        """``_tensor(role, layer, e)`` for every e of ``ids``: each rank's slices of those experts
+        read one by one out of its stack and decoded as one stack (``decode_stack``: bit for bit the
+        per-expert decode), then placed at their rows/cols as ``_tensor`` places them."""
+        shape, by_rank = self._stacked_regions(role, layer)
+        dtype = torch.float64 if self.policy.weight == torch.float64 else torch.float32
+        out = torch.zeros(len(ids), *shape, dtype=dtype)
+        for r in sorted(by_rank):
+            parts = by_rank[r]
+            first = next(iter(parts.values()))
+            src = first["source"]
+            a, b = src["experts"]
+            held = [(i, e) for i, e in enumerate(ids) if a <= e < b]
+            if not held:
+                continue
+            stack = {p: torch.stack([self.files.get(entry, e) for _, e in held]) for p, entry in parts.items()}
+            value = _unpad(read_format(first, self.convention).decode_stack(stack, dtype), src, stacked=True)
+            at = torch.tensor([i for i, _ in held])
+            if self.rank is not None or value.ndim != 3:
+                out[at] = value
+            else:
+                (r0, r1), cols = src["rows"], src.get("cols")
+                c0, c1 = cols if cols is not None else (0, value.shape[2])
+                out[at, r0:r1, c0:c1] = value
+        return list(out.to(device=self.device, dtype=self._dtype(role)).unbind(0))
+
     def _tensor(self, role: str, layer: int | None, expert: int | None = None) -> torch.Tensor | None:
         slices = self.slices(role, layer, expert)
         if not slices:
@@ -268,6 +319,13 @@ class BundleWeights(WeightSource):
         expert_bytes = 3 * t.moe_intermediate_size * t.routed_expert_hidden_size * \
             torch.empty(0, dtype=self.policy.weight).element_size()  # decoded; the codes are less
 
+        shapes, batches = {}, {}  # per role: the value's shape; the stack decode, where the experts are stacked
+        for role in EXPERT_ROLES:
+            stacked = self._stacked_regions(role, layer)
+            if stacked is not None:
+                shapes[role], _ = stacked
+                batches[role] = (("bundle", id(self), layer, role), lambda ids, r=role: self._expert_values(r, layer, ids))
+
         def expert(e: int):
             if ("expert", layer, e) in self._kept:
                 return self._kept[("expert", layer, e)]
@@ -276,7 +334,8 @@ class BundleWeights(WeightSource):
             if self.rank is not None and any(not self._parts_by_rank(role, layer, e) for role in EXPERT_ROLES):
                 return None  # owned by another expert-parallel rank (merged: a missing expert is an error, on use)
             parts = {role: ExpertWeight(lambda r=role: self._tensor(r, layer, e),
-                                        lambda r=role: self.mxfp4_expert(r, layer, e)) for role in EXPERT_ROLES}
+                                        lambda r=role: self.mxfp4_expert(r, layer, e), shape=shapes.get(role),
+                                        batch=batches.get(role) and (*batches[role], e)) for role in EXPERT_ROLES}
             self.expert_reads += 1
             if self.kept_bytes + expert_bytes <= self.resident_bytes:
                 self._kept[("expert", layer, e)] = parts

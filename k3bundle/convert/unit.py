@@ -11,7 +11,10 @@ each rank's slice of it lands). The worker:
    feeding each block to sha256 and to the sinks that need it; sinks ``pwrite`` their bytes
    at planned offsets (stacked experts arrive out of file order, so writes are positioned);
 3. compares the source sha256 with ``source.json`` when the pull recorded one;
-4. hashes each output (read back from the page cache) and renames it into place.
+4. hashes each output (read back from the page cache, several at once) and renames it into place.
+
+The source is hashed one block behind the reader, on a thread (``_HashBehind``), so hashing
+overlaps reading and encoding.
 
 Each source byte is read once. Peak memory is one read block plus what the sinks buffer
 (128 rows for FP8 blocks; up to ``STACK_BYTES`` of expert tensors for NVFP4, encoded as one
@@ -25,6 +28,7 @@ import errno
 import hashlib
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,7 @@ READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size
 READ_AHEAD = 256 << 20  # kept requested from the kernel (posix_fadvise WILLNEED) ahead of the reader
 STACK_BYTES = 64 << 20  # whole-tensor groups (NVFP4 experts) collected and encoded together up to this
 TMP_SUFFIX = ".k3tmp"
+OUTPUT_HASH_THREADS = 4  # a unit's outputs are hashed (from the page cache) this many at once
 THROTTLE_ENV = "K3BUNDLE_CONVERT_THROTTLE_S"  # test hook: sleep per unit before renaming outputs
 
 
@@ -359,8 +364,9 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
         if throttle:
             time.sleep(throttle)
         outputs = []
-        for f, tmp in zip(work.files, tmps):
-            out_sha, out_size = sha256_file(tmp)
+        with ThreadPoolExecutor(min(OUTPUT_HASH_THREADS, len(tmps)) or 1) as pool:  # hashlib frees the GIL
+            hashed = list(pool.map(sha256_file, tmps))
+        for f, tmp, (out_sha, out_size) in zip(work.files, tmps, hashed):
             if out_size != f.size:
                 raise OSError(errno.EIO, f"{tmp}: {out_size} bytes on disk, {f.size} planned")
             outputs.append((f.path, out_sha, f.size))
@@ -380,12 +386,46 @@ def _run_unit(work: UnitWork, source_dir: Path, out: Path) -> UnitResult:
             discard(tmp)
 
 
+class _HashBehind:
+    """sha256 of the source, block by block, one block behind the reader on a thread of its own:
+    hashlib releases the GIL for large buffers, so hashing block k overlaps reading and encoding
+    block k+1 (a worker hashes every source byte at ~1.4 GB/s per core; docs/performance.md
+    "Release scale"). At most one block waits, so memory grows by one block at most; blocks under
+    ``BEHIND_BYTES`` (most tensors of a narrow model) are hashed in place, where a hand-off to the
+    thread would cost more than it saves."""
+
+    BEHIND_BYTES = 1 << 20
+
+    def __init__(self):
+        self._sha = hashlib.sha256()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    def update(self, block: np.ndarray) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if block.nbytes < self.BEHIND_BYTES:
+            self._sha.update(block)
+            return
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="k3bundle-hash")
+        self._pending = self._pool.submit(self._sha.update, block)  # the block is not written after this
+
+    def hexdigest(self) -> str:
+        self.update(np.empty(0, dtype=np.uint8))  # waits for the block behind
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
 def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> str:
     by_name: dict[str, tuple[Group, str]] = {}
     for g in work.groups:
         for part, name in g.names.items():
             by_name[name] = (g, part)
-    hasher = hashlib.sha256()
+    hasher = _HashBehind()
     fd = os.open(src, os.O_RDONLY)
     ahead = 0  # the kernel reads ahead of us (cold cache: disk reads overlap hashing and writing)
     if hasattr(os, "posix_fadvise"):
@@ -417,12 +457,14 @@ def _read_and_dispatch(work: UnitWork, src: Path, header, writer: _Writer) -> st
                 hasher.update(block)
                 if hit is not None:
                     _dispatch(writer, hit[0], hit[1], info.dtype, r0, block)
+        digest = hasher.hexdigest()
     finally:
         os.close(fd)
+        hasher.close()
     if by_name:
         first = min(by_name)
         raise ConvertError(f"{src}: {len(by_name)} planned tensor(s) are not in the file, first {first!r}")
-    return hasher.hexdigest()
+    return digest
 
 
 def _dispatch(writer: _Writer, group: Group, part: str, dtype: str, r0: int, block: np.ndarray) -> None:

@@ -30,6 +30,7 @@ from k3bundle.executor.weights import EXPERT_ROLES
 from k3bundle.formats import mxfp4
 from k3bundle.ops.contract import REFERENCE, Backend
 from k3bundle.ops.expert_weight import ExpertWeight
+from k3bundle.ops.expert_weight import values as expert_values
 
 RENORM_EPS = 1e-20  # (R3) keeps an all-zero selection finite; invisible otherwise
 
@@ -173,6 +174,8 @@ def _stored(w):
 
 
 def _logical_shape(w) -> tuple[int, int]:
+    if isinstance(w, ExpertWeight) and w.shape is not None:  # known without decoding
+        return w.shape
     stored = _stored(w)
     if stored is not None:
         return stored[0].shape[0], stored[0].shape[1] * 2
@@ -188,8 +191,8 @@ def _stack(ws: list, out: torch.Tensor, stored: list) -> None:
         mxfp4.dequantize_stack([p for p, _ in stored], [s for _, s in stored], out,
                                block=2 * p0.shape[-1] // s0.shape[-1])
         return
-    for g, w in enumerate(ws):
-        out[g].copy_(w.value() if isinstance(w, ExpertWeight) else w)
+    for g, v in enumerate(expert_values(ws)):  # a source's batch decode where it has one
+        out[g].copy_(v)
 
 
 #: at most this many tokens per expert (a decode step's): the projections read the MXFP4 bytes

@@ -165,12 +165,17 @@ class WeightSource(ABC):
 #: the share of free memory one dtype policy's resident weights may take: a run's BF16 device
 #: weights and its float32 exact-check (or golden) weights fit together, with room for activations
 RESIDENT_SHARE = {"bfloat16": 0.2, "float32": 0.4, "float64": 0.4}
+#: at most this many bytes of one weight source stay resident in host memory (a CPU device): on a
+#: host the cache competes with the page cache and every other process, and a command's peak RSS
+#: must stay bounded whatever the model (under 2 GB at the release's 497,220 tensors; docs/
+#: performance.md "Release scale"). The tiny model's float32 weights fit whole.
+HOST_RESIDENT_MAX = 256 << 20
 
 
 def resident_budget(device: str | torch.device, dtype: str, processes: int = 1) -> int:
     """Bytes a weight source of dtype policy ``dtype`` may keep resident on ``device``: its share
-    of the free GPU memory (CUDA) or of the available RAM (``/proc/meminfo``; 0 where unknown),
-    split over ``processes`` sharing that memory. A run that asks for a layer many times
+    of the free GPU memory (CUDA) or of the available RAM (``/proc/meminfo``; 0 where unknown) up
+    to ``HOST_RESIDENT_MAX``, split over ``processes`` sharing that memory. A run that asks for a layer many times
     (teacher-forced decode) keeps what fits and re-reads the rest."""
     device, share = torch.device(device), RESIDENT_SHARE.get(dtype, 0.2) / max(1, processes)
     if device.type == "cuda":
@@ -179,7 +184,7 @@ def resident_budget(device: str | torch.device, dtype: str, processes: int = 1) 
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(int(line.split()[1]) * 1024 * share)
+                return min(int(int(line.split()[1]) * 1024 * share), int(HOST_RESIDENT_MAX / max(1, processes)))
     except OSError:
         pass
     return 0

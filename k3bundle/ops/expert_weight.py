@@ -18,13 +18,21 @@ import torch
 Packed = tuple[torch.Tensor, torch.Tensor]
 
 
+#: how a source decodes many experts of one role at once: (a key naming the source, layer and role,
+#: a function of expert ids -> their values, this expert's id)
+Batch = tuple[object, Callable[[list[int]], list[torch.Tensor]], int]
+
+
 class ExpertWeight:
-    __slots__ = ("_make", "_value", "_mxfp4")
+    __slots__ = ("_make", "_value", "_mxfp4", "shape", "batch")
 
     def __init__(self, value: Callable[[], torch.Tensor] | torch.Tensor,
-                 mxfp4: Callable[[], Packed | None] | Packed | None = None):
+                 mxfp4: Callable[[], Packed | None] | Packed | None = None,
+                 shape: tuple[int, ...] | None = None, batch: Batch | None = None):
         self._make, self._value = (None, value) if isinstance(value, torch.Tensor) else (value, None)
         self._mxfp4 = mxfp4
+        self.shape = tuple(value.shape) if isinstance(value, torch.Tensor) else shape  # None: unknown until made
+        self.batch = batch
 
     def value(self) -> torch.Tensor:
         if self._value is None:
@@ -41,6 +49,21 @@ class ExpertWeight:
         if callable(self._mxfp4):
             self._mxfp4 = self._mxfp4()
         return self._mxfp4
+
+
+def values(ws: list) -> list[torch.Tensor]:
+    """``w.value()`` of each of ``ws`` (ExpertWeights or tensors); those not yet made that share a
+    ``batch`` key are made by one call of its function (a bundle decodes a rank's stacked experts
+    in one pass, not one by one: the same values)."""
+    todo: dict[object, list[ExpertWeight]] = {}
+    for w in ws:
+        if isinstance(w, ExpertWeight) and w._value is None and w.batch is not None:
+            todo.setdefault(w.batch[0], []).append(w)
+    for group in todo.values():
+        if len(group) > 1:
+            for w, v in zip(group, group[0].batch[1]([w.batch[2] for w in group])):
+                w._value, w._make = v, None
+    return [w.value() if isinstance(w, ExpertWeight) else w for w in ws]
 
 
 def logical(expert: dict | None) -> dict | None:
