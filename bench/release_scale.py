@@ -186,7 +186,8 @@ def workers_determinism(bundle: Path, ckpt: Path, work: Path, layout: str, run) 
     other = work / f"bundle-{layout}-w2"
     shutil.rmtree(other, ignore_errors=True)
     row = run(f"convert {layout} --workers 2", [*K3, "convert", str(ckpt), "--target", layout, "--out", str(other),
-                                                "--workers", "2"], tensors=497_220)
+                                                "--workers", "2"], tensors=497_220,
+              read=tree_bytes(ckpt), hashed=tree_bytes(ckpt) + tree_bytes(bundle), written=tree_bytes(bundle))
     same = (other / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()
     shutil.rmtree(other)
     print(f"[release-scale] --workers 1 and 2 give {'the same' if same else 'DIFFERENT'} manifest", file=sys.stderr)
