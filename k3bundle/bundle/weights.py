@@ -176,7 +176,7 @@ class BundleWeights(WeightSource):
             first = next(iter(parts.values()))
             tensors = {p: self.files.get(e, expert) for p, e in parts.items()}
             fmt = read_format(first, self.convention)
-            value = fmt.decode(tensors, torch.float64 if self.policy.weight == torch.float64 else torch.float32)
+            value = fmt.decode(tensors, self._decode_dtype)
             out.append((parts.get("packed") or parts.get("weight") or first, _unpad(value, first["source"])))
         return out
 
@@ -208,39 +208,45 @@ class BundleWeights(WeightSource):
         """Every rank's stacked experts of a routed-expert role instance, each decoded at once:
         [(index entry of the first part, (first, stop) expert ids, [stop - first, rows, cols]
         without padding)]; None when the bundle stores the role's experts one by one."""
-        by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
-        for e in self.entries.get((role, layer), []):
-            if "experts" not in e["source"]:
-                return None
-            by_rank[e["rank"]][e["part"]] = e
+        by_rank = self._stacked_by_rank(role, layer)
+        if by_rank is None:
+            return None
         out = []
         for r in sorted(by_rank):
             parts = by_rank[r]
             first = next(iter(parts.values()))
             fmt = read_format(first, self.convention)
-            value = fmt.decode_stack({p: self.files.get(e) for p, e in parts.items()},
-                                     torch.float64 if self.policy.weight == torch.float64 else torch.float32)
+            value = fmt.decode_stack({p: self.files.get(e) for p, e in parts.items()}, self._decode_dtype)
             src = first["source"]
             out.append((parts.get("packed") or parts.get("weight") or first, tuple(src["experts"]),
                         _unpad(value, src, stacked=True)))
         return out
 
-    def _stacked_regions(self, role: str, layer: int) -> tuple[tuple[int, ...], dict[int, dict]] | None:
-        """(an expert's value shape here, {rank: {part: entry}}) where every slice of this routed
-        role is a stacked tensor and no two ranks hold the same region (no replica to compare);
-        None otherwise (then experts are read one by one)."""
+    @property
+    def _decode_dtype(self) -> torch.dtype:
+        """What stored formats decode to before the policy's dtype: FP64 under float64, else FP32."""
+        return torch.float64 if self.policy.weight == torch.float64 else torch.float32
+
+    def _stacked_by_rank(self, role: str, layer: int) -> dict[int, dict[str, dict]] | None:
+        """{rank: {part: index entry}} of a routed-expert role instance whose slices are all stacked
+        tensors; None when the bundle stores its experts one by one."""
         by_rank: dict[int, dict[str, dict]] = defaultdict(dict)
-        regions = set()
         for e in self.entries.get((role, layer), []):
-            src = e["source"]
-            if "expert_stride" not in src:
+            if "experts" not in e["source"]:
                 return None
             by_rank[e["rank"]][e["part"]] = e
-            regions.add((e["rank"], tuple(src["rows"]), tuple(src.get("cols") or ()), tuple(src["experts"])))
-        if not by_rank:
+        return by_rank or None
+
+    def _stack_decode(self, role: str, layer: int) -> tuple[tuple[int, ...], dict[int, dict[str, dict]]] | None:
+        """(an expert's value shape here, ``_stacked_by_rank``) where the experts of this role can be
+        decoded a rank stack at a time: stacked, and no two ranks hold the same region (a replica,
+        which the one-by-one path compares); None otherwise."""
+        by_rank = self._stacked_by_rank(role, layer)
+        if by_rank is None:
             return None
-        cover = [(r, c, x) for _, r, c, x in regions]
-        if len(set(cover)) != len(cover):  # replicas: the one-by-one path checks that they agree
+        cover = [(tuple(s["rows"]), tuple(s.get("cols") or ()), tuple(s["experts"]))
+                 for s in (next(iter(parts.values()))["source"] for parts in by_rank.values())]
+        if len(set(cover)) != len(cover):
             return None
         src = next(iter(next(iter(by_rank.values())).values()))["source"]
         if self.rank is None:
@@ -250,13 +256,13 @@ class BundleWeights(WeightSource):
             shape = (r1 - r0, *((cols[1] - cols[0],) if cols is not None else src["logical_shape"][1:]))
         return shape, by_rank
 
-    def _expert_values(self, role: str, layer: int, ids: list[int]) -> list[torch.Tensor]:
-        """``_tensor(role, layer, e)`` for every e of ``ids``: each rank's slices of those experts
-        read one by one out of its stack and decoded as one stack (``decode_stack``: bit for bit the
-        per-expert decode), then placed at their rows/cols as ``_tensor`` places them."""
-        shape, by_rank = self._stacked_regions(role, layer)
-        dtype = torch.float64 if self.policy.weight == torch.float64 else torch.float32
-        out = torch.zeros(len(ids), *shape, dtype=dtype)
+    def _expert_values(self, role: str, ids: list[int], shape: tuple[int, ...],
+                       by_rank: dict[int, dict[str, dict]]) -> list[torch.Tensor]:
+        """``_tensor(role, layer, e)`` for every e of ``ids`` (``shape`` and ``by_rank`` from
+        ``_stack_decode``): each rank's slices of those experts read one by one out of its stack and
+        decoded as one stack (``decode_stack``: bit for bit the per-expert decode), then placed at
+        their rows/cols as ``_tensor`` places them."""
+        out = torch.zeros(len(ids), *shape, dtype=self._decode_dtype)
         for r in sorted(by_rank):
             parts = by_rank[r]
             first = next(iter(parts.values()))
@@ -266,7 +272,8 @@ class BundleWeights(WeightSource):
             if not held:
                 continue
             stack = {p: torch.stack([self.files.get(entry, e) for _, e in held]) for p, entry in parts.items()}
-            value = _unpad(read_format(first, self.convention).decode_stack(stack, dtype), src, stacked=True)
+            value = _unpad(read_format(first, self.convention).decode_stack(stack, self._decode_dtype), src,
+                           stacked=True)
             at = torch.tensor([i for i, _ in held])
             if self.rank is not None or value.ndim != 3:
                 out[at] = value
@@ -321,10 +328,11 @@ class BundleWeights(WeightSource):
 
         shapes, batches = {}, {}  # per role: the value's shape; the stack decode, where the experts are stacked
         for role in EXPERT_ROLES:
-            stacked = self._stacked_regions(role, layer)
+            stacked = self._stack_decode(role, layer)  # once per layer request, for every group of it
             if stacked is not None:
-                shapes[role], _ = stacked
-                batches[role] = (("bundle", id(self), layer, role), lambda ids, r=role: self._expert_values(r, layer, ids))
+                shapes[role] = stacked[0]
+                batches[role] = (("bundle", id(self), layer, role),
+                                 lambda ids, r=role, st=stacked: self._expert_values(r, ids, *st))
 
         def expert(e: int):
             if ("expert", layer, e) in self._kept:

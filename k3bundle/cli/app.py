@@ -26,13 +26,10 @@ def _epilog(examples: list[str]) -> str:
     return "Examples:\n\n" + "\n\n".join(f"  $ {e}" for e in examples)
 
 
-#: Command name -> the module under ``k3bundle.cli`` that defines it (a function of the same name, or
-#: for a group, ``app``), in the order ``--help`` lists them.
-COMMANDS = {
-    "synth": "synth", "schema": "schema", "inspect": "inspect", "plan": "plan", "convert": "convert",
-    "verify": "verify", "trace": "trace", "run": "run", "kernels": "kernels", "pull": "pull",
-    "golden": "golden", "validate": "validate", "demo": "demo", "checklist": "checklist", "report": "report",
-}
+#: The commands, in the order ``--help`` lists them; each is defined in ``k3bundle.cli.<name>`` (a
+#: function of the same name, or for a group, ``app``).
+COMMANDS = ("synth", "schema", "inspect", "plan", "convert", "verify", "trace", "run", "kernels", "pull",
+            "golden", "validate", "demo", "checklist", "report")
 
 
 _registered: set[str] = set()
@@ -46,7 +43,7 @@ def register(names) -> None:
         if name in _registered:
             continue
         _registered.add(name)
-        module = importlib.import_module(f"k3bundle.cli.{COMMANDS[name]}")
+        module = importlib.import_module(f"k3bundle.cli.{name}")
         if isinstance(getattr(module, "app", None), typer.Typer):
             app.add_typer(module.app, name=name)
         else:

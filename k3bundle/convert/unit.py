@@ -401,10 +401,13 @@ class _HashBehind:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
-    def update(self, block: np.ndarray) -> None:
+    def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+
+    def update(self, block: np.ndarray) -> None:
+        self._wait()  # blocks are hashed in order
         if block.nbytes < self.BEHIND_BYTES:
             self._sha.update(block)
             return
@@ -412,7 +415,7 @@ class _HashBehind:
         self._pending = self._pool.submit(self._sha.update, block)  # the block is not written after this
 
     def hexdigest(self) -> str:
-        self.update(np.empty(0, dtype=np.uint8))  # waits for the block behind
+        self._wait()
         return self._sha.hexdigest()
 
     def close(self) -> None:
