@@ -2,6 +2,7 @@
 form, its former f32 path and a plain copy.
 
     python bench/mxfp4_decode.py --device cuda --experts 16     # JSON on stdout
+    python bench/mxfp4_decode.py --device cuda --experts 16 --matmul 1 4
 
 Decodes ``experts`` routed experts at the release's shape (3 projections of 3,072 x 3,584 each
 way: 33 Mi E2M1 codes per expert) with ``formats.mxfp4.dequantize`` to bf16 (one Triton kernel on CUDA,
@@ -9,6 +10,9 @@ way: 33 Mi E2M1 codes per expert) with ``formats.mxfp4.dequantize`` to bf16 (one
 and with the path that replaced (an int64-indexed gather in f32, scale, cast), checks all three bit for bit, and
 reports GB/s of *packed input* next to the same device's copy bandwidth (read + write of a plain
 ``copy_`` of the bf16 output's size: the HBM ceiling of any decode that writes bf16).
+``--matmul`` also times the fused matmul of a decode step (``mxfp4.matmul_stack``: the weights
+decoded in registers, nothing written) for the experts' three projections at N tokens each, in
+GB/s of packed input, against the readable decode-then-``bmm`` and float64.
 """
 
 from __future__ import annotations
@@ -45,6 +49,40 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
 
 
+def matmul_rows(dev, experts: int, tokens: list[int], I: int = 3072, L: int = 3584) -> dict:
+    """A decode step's routed experts reading MXFP4 directly (``mxfp4.matmul_stack``): the three
+    projections of ``experts`` experts at the release's shape for N tokens each, against the
+    readable form (decode to a stacked buffer, then a batched GEMM) and the HBM copy rate."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    shapes = {"w1": (I, L), "w3": (I, L), "w2": (L, I)}
+    w = {r: ([torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, device=dev, generator=g) for _ in range(experts)],
+             [torch.randint(118, 124, (R, C // 32), dtype=torch.uint8, device=dev, generator=g) for _ in range(experts)])
+         for r, (R, C) in shapes.items()}
+    nbytes = sum(p.numel() + s.numel() for ps, ss in w.values() for p, s in zip(ps, ss))
+    copy = copy_bandwidth(dev, nbytes)
+    out = {"packed_bytes": nbytes, "copy_GBps_read_plus_write": round(copy / 1e9, 1), "rows": []}
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in tokens:
+            xs = {r: torch.randn(experts, n, C, device=dev, generator=g).to(dtype) for r, (R, C) in shapes.items()}
+            fused = lambda: [mxfp4.matmul_stack(xs[r], *w[r]) for r in shapes]  # noqa: E731
+            stacks = {r: torch.empty(experts, R, C, dtype=dtype, device=dev) for r, (R, C) in shapes.items()}
+
+            def readable():
+                return [torch.bmm(xs[r], mxfp4.dequantize_stack(*w[r], stacks[r]).transpose(1, 2)) for r in shapes]
+            got, want = fused(), readable()
+            exact = [torch.bmm(xs[r].double(), stacks[r].double().transpose(1, 2)) for r in shapes]
+            rel = lambda ys: max(((y.double() - e).norm() / e.norm()).item() for y, e in zip(ys, exact))  # noqa: E731
+            t_f, t_r = timed(fused, dev, reps=20), timed(readable, dev, reps=5)
+            row = {"dtype": str(dtype).removeprefix("torch."), "tokens": n, "fused_ms": round(t_f * 1e3, 4),
+                   "fused_GBps_packed": round(nbytes / t_f / 1e9, 1), "readable_ms": round(t_r * 1e3, 3),
+                   "speedup": round(t_r / t_f, 1), "rel_err_vs_f64": float(f"{rel(got):.3g}"),
+                   "readable_rel_err_vs_f64": float(f"{rel(want):.3g}")}
+            out["rows"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            stacks = None  # free before the next row
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -52,6 +90,8 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=3 * 3072)
     p.add_argument("--cols", type=int, default=3584)
     p.add_argument("--sweep", action="store_true", help="also time the kernel's block sizes and warp counts")
+    p.add_argument("--matmul", type=int, nargs="*", default=[], metavar="N",
+                   help="also time the fused matmul a decode step uses at N tokens per expert (e.g. 1 4 16)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -91,6 +131,11 @@ def main(argv=None) -> None:
                 sweep[f"{block}x{warps}"] = round(in_bytes / t / 1e9, 1)
         mxfp4_gpu.BYTES_PER_PROGRAM, mxfp4_gpu.NUM_WARPS = keep
         out["sweep_bf16_GBps_packed"] = sweep
+    if args.matmul and out["codec"] == "triton":
+        del packed, scales
+        out["matmul"] = matmul_rows(dev, args.experts, args.matmul)
+        equal = equal and all(r["rel_err_vs_f64"] <= r["readable_rel_err_vs_f64"] * 1.5 + 1e-7
+                              for r in out["matmul"]["rows"])
     print(json.dumps(out, indent=1))
     if not equal:
         raise SystemExit("the decode paths differ")

@@ -29,6 +29,8 @@ from tests._bundles import SHIPPED, bundles, one_torch_thread, single_threaded_t
 # machine of 2026-12-03 (bundles and the goldens' full content hash, as that run reported them);
 # "C": the AMD EPYC machine of 2026-12-04 (bundles as class A; the goldens' full content hash,
 # recorded by the code of 59e0600 before the kernels change and reproduced after it).
+# "D": the Intel Xeon @ 2.80GHz machine of 2026-12-06 (the goldens' full content hash, recorded by
+# the code of ed492e5 and reproduced by the MLA kernel change after it; bundles as class A).
 BUNDLE_DIGESTS = {
     "A": {
         "b200-tp8-pp2": "55c8303f81c6ad6fdb298575995d6844c3b9de08c1cdf202da86f10b72428e24",
@@ -55,6 +57,7 @@ GOLDEN_CONTENT_HASH_1_THREAD = {
     "A": "52d52edc9d5fd691324df01dafe1b91d52d7b7fb2c7d9ef822d69d9500fb5fbb",
     "B": "1af2d5009597c1c8fcee6f27e8451cfe9bbc928a79b97430d6fa2d044540ad58",
     "C": "401f0e84c6f2dcbe45641f26708da4765b4663cf4d004f59ca4fc9d056987dbf",
+    "D": "9108c8f9c358e51bfdb53edb07ef5ab08701790d63c04a412693a74499c2b814",
 }
 BEFORE_LOGIT_SHIFT_CONTENT_HASH_1_THREAD = {"A": "a516fb091776c9f475fc159646cea8e8f453e98a740263288e2a24b03731415f"}
 REFERENCE_CONTENT_HASH_1_THREAD = {"A": "85516e13da23a8a762d7fe7573b04cdd931087778d1c2d5c3fdffffd2f6576e1"}

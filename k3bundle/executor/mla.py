@@ -28,6 +28,7 @@ from functools import partial
 import torch
 
 from k3bundle.config import TextConfig
+from k3bundle.executor import mla_gpu
 from k3bundle.executor.cache import MLAState
 from k3bundle.executor.norms import compute_dtype, linear, rms_norm
 from k3bundle.ops.contract import REFERENCE, Backend
@@ -120,6 +121,14 @@ def attend_blocked(q_THE, k_SHE, v_SHV, offset: int, scale: float) -> torch.Tens
     return out.to(act)
 
 
+def attend_fast(q_THE, k_SHE, v_SHV, offset: int, scale: float) -> torch.Tensor:
+    """(M4) the fast form: one fused flash-style kernel where it serves (``mla_gpu``: CUDA, BF16 or
+    FP32, the reference's precision contract), else ``attend_blocked`` (CPU, float64)."""
+    if mla_gpu.available(q_THE, v_SHV.shape[-1]):
+        return mla_gpu.attend(q_THE, k_SHE, v_SHV, offset, scale)
+    return attend_blocked(q_THE, k_SHE, v_SHV, offset, scale)
+
+
 def attend_absorbed(q_nope, q_pe, latent_SC, w_HEL, offset: int, scale: float) -> torch.Tensor:
     """(M4) with W_UK/W_UV absorbed, reading only the latent cache; returns o [T, H, V].
 
@@ -153,7 +162,7 @@ def softmax_scale(text: TextConfig) -> float:
 # ---- the reference form of the ops (k3bundle.ops.contract.OP_CONTRACTS) a backend may replace ----
 
 def gated_mla_prefill(q, k, v, gate, *, offset, scale, fast=False):
-    return output_gate((attend_blocked if fast else attend_naive)(q, k, v, offset, scale), gate)  # (M4-M5)
+    return output_gate((attend_fast if fast else attend_naive)(q, k, v, offset, scale), gate)  # (M4-M5)
 
 
 def gated_mla_decode_latent_cache(q_nope, q_pe, latent, lengths, w_kvb, gate, *, scale):
@@ -178,7 +187,7 @@ def forward(x_TD: torch.Tensor, W, state: MLAState, text: TextConfig, absorbed: 
         x_TD: the input_layernorm output, activation dtype.
         absorbed: the decode form (else the naive prefill form); same result.
         ops: the backend whose attention kernels run (docs/kernels.md).
-        fast: where the backend has no prefill kernel, ``attend_blocked`` rather than ``attend_naive``.
+        fast: where the backend has no prefill kernel, ``attend_fast`` rather than ``attend_naive``.
 
     Returns:
         ``MLAOut``: MLA(x) [T, D] and the new tokens' latents [T, C].

@@ -173,7 +173,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, b
 
 def _address_tables(packed: list[torch.Tensor], scales: list[torch.Tensor], device) -> torch.Tensor:
     """The tensors' addresses as two int64 rows on ``device`` (one copy), for a kernel's pointer loads."""
-    addr = torch.tensor([[p.data_ptr() for p in packed], [s.data_ptr() for s in scales]], dtype=torch.int64)
+    # pinned, so the copy is queued behind the stream's work rather than waiting for it
+    addr = torch.tensor([[p.data_ptr() for p in packed], [s.data_ptr() for s in scales]], dtype=torch.int64,
+                        pin_memory=torch.device(device).type == "cuda")
     return addr.to(device, non_blocking=True)
 
 
