@@ -18,33 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executor import timed  # noqa: E402  (bench/executor.py)
 from k3bundle.executor import mla, mla_gpu  # noqa: E402
 
 H, E, V = 96, 192, 128
 SWEEP = {torch.bfloat16: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2),
                           (64, 64, 8, 2)],
          torch.float32: []}
-
-
-def timed(fn, reps=3, warmup=1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def inputs(T, dtype, seed=0):
@@ -96,7 +84,7 @@ def main(argv=None) -> None:
                 ref = mla.attend_naive(q[:, h].double(), k[:, h].double(), v[:, h].double(), 0, scale)
             for name, fn in forms.items():
                 try:
-                    s = timed(fn) if T <= 32768 else timed(fn, reps=1, warmup=0)
+                    s = timed(fn, "cuda") if T <= 32768 else timed(fn, "cuda", reps=1, warmup=0)
                 except Exception as e:  # a tile config that does not compile here: say so, go on
                     print(f"| {str(dtype)[6:]} | {name} | {T} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
                     continue
