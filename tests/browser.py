@@ -1,7 +1,8 @@
 """Headless Chromium for page tests: the DOM after load, and a screenshot's non-white share.
 
-Chromium is Debian's ``chromium`` package (``.ci/run`` installs it); tests skip, saying so, where
-it is missing. The PNG reader is the PNG specification's decoder for 8-bit RGB/RGBA, non-interlaced
+Chromium is Debian's ``chromium`` package (``.ci/run`` installs it). On a developer's machine
+without it the page tests skip, saying so; under CI (``CI=true``) they fail instead, so a green
+CI run has always opened the pages. The PNG reader is the PNG specification's decoder for 8-bit RGB/RGBA, non-interlaced
 images (the kind Chromium writes), with numpy for the row filters.
 """
 
@@ -24,6 +25,9 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--
 def chromium() -> str:
     exe = os.environ.get("K3BUNDLE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("headless Chromium is not installed; CI must check the pages in a browser "
+                        "(.ci/run installs Debian's chromium)")
         pytest.skip("headless Chromium is not installed (Debian: apt-get install chromium); the page is not "
                     "checked in a browser")
     return exe

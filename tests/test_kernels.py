@@ -9,6 +9,8 @@ executor without any backend for the plumbing (bit-identical logits).
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +142,33 @@ def test_the_reference_backend_is_the_executor(tiny_ckpt):
     assert torch.equal(plain, via)
     assert torch.equal(Executor(w, forms="readable").decode(7, cache),
                        Executor(w, ops=backends.load("reference")).decode(7, cache2))
+
+
+def _install_entry_point(site: Path, name: str, target: str) -> None:
+    """A distribution as pip leaves one in site-packages (PEP 376 .dist-info with the entry-point
+    file of the packaging spec), declaring backend ``name`` -> module ``target``."""
+    info = site / "k3bundle_example_backend-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: k3bundle-example-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{backends.ENTRY_POINT_GROUP}]\n{name} = {target}\n")
+
+
+def test_an_installed_entry_point_backend_loads_by_name(tiny_ckpt, tmp_path, monkeypatch):
+    import importlib
+
+    site = tmp_path / "site"
+    _install_entry_point(site, "example-vendor", "tests.backends.one_op")
+    with pytest.raises(K3Error, match="cannot import"):  # not installed yet: an unknown name
+        backends.load("example-vendor")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    b = backends.load("example-vendor")
+    assert b.name == "one-op example" and set(b.ops) == {"gated_mla_prefill"}
+    # the command line finds it the same way, as a user's installed package, and runs its op
+    repo = Path(__file__).resolve().parents[1]
+    r = run_cli("kernels", "--target", "h200-tp16-ep16", "--config", str(tiny_ckpt / "config.json"), "--tokens", "96",
+                "--reps", "1", "--backend", "example-vendor", "--ops", "gated_mla_prefill", "--out", str(tmp_path / "r"),
+                env={"PYTHONPATH": os.pathsep.join([str(site), str(repo)])})
+    assert r.returncode == 0, r.stderr[-1500:]
+    data = json.loads((tmp_path / "r" / "kernels.json").read_text())
+    assert data["passed"] and [o["status"] for o in data["ops"] if o["op"] == "gated_mla_prefill"] == ["pass"], data
