@@ -95,7 +95,8 @@ def make_source(workdir: Path, size: str) -> Path:
         return out
     import torch
 
-    from k3bundle.synth import presets, write_synthetic
+    from k3bundle import presets
+    from k3bundle.synth import write_synthetic
 
     torch.set_num_threads(1)  # 4x faster on a 2-core VM than OpenMP's 2 threads
     preset = "small"

@@ -39,7 +39,7 @@ from k3bundle.golden.generate import case_arrays  # noqa: E402
 from k3bundle.golden.noise import noise_arrays  # noqa: E402
 from k3bundle.ops.expert_weight import ExpertWeight  # noqa: E402
 from k3bundle.schema import Format, Schema, Scope  # noqa: E402
-from k3bundle.synth.presets import mla_layers_1based, release_config_dict  # noqa: E402
+from k3bundle.presets import mla_layers_1based, release_config_dict  # noqa: E402
 from k3bundle.tokenizer import load_tiktoken  # noqa: E402
 
 

@@ -54,8 +54,8 @@ sys.path.insert(0, str(REPO))
 from k3bundle.executor import Executor  # noqa: E402
 from k3bundle.executor.weights import POLICIES, LayerWeights, WeightSource  # noqa: E402
 from k3bundle.formats import mxfp4  # noqa: E402
+from k3bundle.presets import preset_config  # noqa: E402
 from k3bundle.schema import Format, Schema, Section  # noqa: E402
-from k3bundle.synth.presets import preset_config  # noqa: E402
 from k3bundle.synth.tokenizer import load_corpus, write_tokenizer  # noqa: E402
 from k3bundle.synth.weights import logical_values, stored_form  # noqa: E402
 from k3bundle.tokenizer import load_tiktoken  # noqa: E402

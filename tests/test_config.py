@@ -9,7 +9,7 @@ import pytest
 
 from k3bundle.config import parse_config
 from k3bundle.errors import ConfigError
-from k3bundle.synth import preset_config, preset_names
+from k3bundle.presets import preset_config, preset_names
 from tests.conftest import run_cli
 
 

@@ -12,7 +12,7 @@ from k3bundle.executor.attnres import attn_res, schedule
 from k3bundle.executor.cache import MLAState
 from k3bundle.executor.norms import rms_norm
 from k3bundle.executor.weights import LayerWeights
-from k3bundle.synth import preset_config
+from k3bundle.presets import preset_config
 
 
 @pytest.fixture(scope="module")

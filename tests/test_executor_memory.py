@@ -16,7 +16,8 @@ from unittest import mock
 
 import pytest
 
-from k3bundle.synth import checkpoint, presets
+from k3bundle import presets
+from k3bundle.synth import checkpoint
 from tests._memory import VMHWM, child_env
 
 CHILD = r"""

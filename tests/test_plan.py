@@ -14,7 +14,7 @@ from k3bundle.config import parse_config
 from k3bundle.layouts import LayoutError, load_layout, parse_layout
 from k3bundle.plan import make_plan
 from k3bundle.plan.files import all_files, device_tensors
-from k3bundle.synth import preset_config, preset_config_dict
+from k3bundle.presets import preset_config, preset_config_dict
 from tests.conftest import REPO, run_cli
 
 SHIPPED = ["b200-tp8-pp2", "b300-tp8", "gb300-dep16", "h200-tp16-ep16", "mi355x-tp8", "new-accelerator.example"]

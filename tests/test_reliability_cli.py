@@ -11,7 +11,7 @@ import pytest
 from k3bundle.config import load_config
 from k3bundle.errors import ConfigError, SafetensorsError
 from k3bundle.io import read_header
-from k3bundle.synth import preset_config_dict
+from k3bundle.presets import preset_config_dict
 from tests.conftest import run_cli
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from k3bundle.errors import SchemaError
+from k3bundle.presets import preset_config
 from k3bundle.schema import Schema
-from k3bundle.synth import preset_config
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,6 @@ def test_check_keys_names_unknown_and_missing():
 def test_full_depth_preset_has_the_release_tensor_list(full):
     """synth --preset full-depth: the release's every name, dtype and shard (the released
     config's schema is the oracle), A_log padded as released, at narrow widths."""
-    from k3bundle.synth.presets import preset_config
-
     narrow = Schema(preset_config("full-depth"))
     want = [(s.name, s.dtype, full.shard_index(s)) for s in full.tensors()]
     got = [(s.name, s.dtype, narrow.shard_index(s)) for s in narrow.tensors()]

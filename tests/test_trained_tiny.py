@@ -20,7 +20,8 @@ from safetensors.torch import load
 
 from k3bundle.errors import SynthError
 from k3bundle.schema import Schema, Section
-from k3bundle.synth import preset_config, write_synthetic
+from k3bundle.presets import preset_config
+from k3bundle.synth import write_synthetic
 from k3bundle.synth.weights import logical_values
 from tests.conftest import run_cli
 

@@ -9,8 +9,8 @@ import typer
 
 from k3bundle.cli._common import JsonOpt, Output
 from k3bundle.config import load_config
+from k3bundle.presets import preset_config
 from k3bundle.schema import Schema
-from k3bundle.synth import preset_config
 
 EXAMPLES = [
     "k3bundle schema --preset full",

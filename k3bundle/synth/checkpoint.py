@@ -22,8 +22,8 @@ from pathlib import Path
 from k3bundle.config import parse_config
 from k3bundle.errors import SynthError
 from k3bundle.io import write_index, write_safetensors
+from k3bundle.presets import preset_config_dict, preset_weights
 from k3bundle.schema import Schema
-from k3bundle.synth.presets import preset_config_dict, preset_weights
 from k3bundle.synth.tokenizer import write_tokenizer
 from k3bundle.synth.trained import load_trained
 from k3bundle.synth.weights import make_tensors

@@ -1,10 +1,13 @@
-"""Synthetic presets: the released config with toy widths (``k3bundle/data/presets/*.yaml``).
+"""Presets: the released config with other widths (``k3bundle/data/presets/*.yaml``).
 
 A preset file overrides fields of the released ``config.json``; everything the release
 derives from a rule is derived here the same way, so a preset cannot contradict it:
 the 1-based ``full_attn_layers``/``kda_layers`` lists (MLA where (l+1) % 4 == 0 and on
 the last layer, spec §1.2) and the special-token ids (same offsets from the end of the
 vocabulary as the release, spec §1.1 and §4.1).
+
+Presets are config, below everything that uses them: ``schema``/``plan``/``checklist`` read the
+config of a preset, ``synth`` writes a checkpoint of one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from importlib import resources
 import yaml
 
 from k3bundle.config import K3Config, parse_config, release_config_path
-from k3bundle.errors import SynthError
+from k3bundle.errors import ConfigError
 from k3bundle.tokenizer_specials import special_tokens
 
 PRESET_DIR = resources.files("k3bundle") / "data" / "presets"
@@ -33,7 +36,7 @@ def release_config_dict() -> dict:
 def _merge(base: dict, over: dict, where: str) -> None:
     for key, value in over.items():
         if key not in base:
-            raise SynthError(f"preset field {where}{key} is not a field of the released config")
+            raise ConfigError(f"preset field {where}{key} is not a field of the released config")
         if isinstance(value, dict):
             _merge(base[key], value, f"{where}{key}.")
         else:
@@ -51,7 +54,7 @@ def preset_config_dict(name: str) -> dict:
         return release_config_dict()
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise SynthError(f"unknown preset {name!r}; available: {', '.join(preset_names() + ['full'])}")
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(preset_names() + ['full'])}")
     over = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     over.pop("description", None)
     over.pop("weights", None)
