@@ -29,14 +29,13 @@ from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
 from k3bundle.schema.roles import ROLES, Role
-from k3bundle.storage import CONVENTIONS, LAYOUT_NAMES, storage_for
+from k3bundle.storage import AS_STORED, CONVENTIONS, LAYOUT_NAMES, STORAGE, layout_format, storage_for
 
 LAYOUT_SCHEMA_VERSION = 1
 
-#: Storage formats a layout may give a role (docs/layouts.md "formats"): the registry's names.
+#: Storage formats a layout may give a role (docs/layouts.md "formats"): the registry's own names;
+#: a layout may also name a format of an installed package (``storage.layout_format``).
 FORMATS = tuple(sorted(LAYOUT_NAMES))
-#: The formats that take a ``scale_rule``.
-_SCALE_RULED = tuple(n for n in FORMATS if LAYOUT_NAMES[n].scale_rules)
 SCALE_LAYOUTS = ("row-major", "swizzled-128x4")
 EXPERT_PLACEMENTS = ("contiguous",)
 #: Dimensions whose per-rank size a layout may pad up to a multiple (zero rows / columns).
@@ -125,7 +124,7 @@ class Layout:
         for rule in self.formats:
             if fnmatch.fnmatchcase(role.role, rule.pattern):
                 return rule
-        return FormatRule("", "source", convention=self.convention)
+        return FormatRule("", AS_STORED, convention=self.convention)
 
     @property
     def swizzled(self) -> bool:
@@ -309,7 +308,7 @@ def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
 
 def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
     if data is None:
-        return (FormatRule("*", "source", convention=conv),)
+        return (FormatRule("*", AS_STORED, convention=conv),)
     if not isinstance(data, dict):
         p.add("layout-field", f"formats must be a mapping of role pattern -> format, got {type(data).__name__}")
         return ()
@@ -322,8 +321,8 @@ def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
             fmt = opts.get("format")
         else:
             fmt = spec
-        if fmt not in FORMATS:
-            p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        if not isinstance(fmt, str) or layout_format(fmt) is None:
+            p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(sorted(LAYOUT_NAMES))})")
             continue
         rule = opts.get("scale_rule")
         choices = LAYOUT_NAMES[fmt].scale_rules
@@ -333,7 +332,8 @@ def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
                                      f"{', '.join(choices)} (got {rule!r})")
                 continue
         elif rule is not None:
-            p.add("format-name", f"{where}: scale_rule applies only to {', '.join(_SCALE_RULED)}, not {fmt}")
+            ruled = sorted(n for n, f in LAYOUT_NAMES.items() if f.scale_rules)
+            p.add("format-name", f"{where}: scale_rule applies only to {', '.join(ruled)}, not {fmt}")
         if not isinstance(pattern, str) or not any(fnmatch.fnmatchcase(r.role, pattern) for r in ROLES):
             p.add("format-pattern-unused", f"{where} matches no tensor role (roles look like "
                                            "'kda.q_proj', 'moe.expert.w1'; docs/layouts.md lists them)")
@@ -348,10 +348,11 @@ def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
         why = LAYOUT_NAMES[r.format].fits(r.format, role)
         if why:
             p.add("format-source-dtype", f"formats[{r.pattern!r}]: {why}")
-        elif conv in CONVENTIONS and storage_for(r.format, role).name not in CONVENTIONS[conv].formats:
+        elif conv in CONVENTIONS and not storage_for(r.format, role).named_under(conv):
+            names = ", ".join(f.name for f in STORAGE.values() if f.named_under(conv))
             p.add("format-convention", f"formats[{r.pattern!r}]: {role.role} would be stored "
                                        f"{storage_for(r.format, role).name}, which the {conv} convention cannot "
-                                       f"name (it names {', '.join(CONVENTIONS[conv].formats)})")
+                                       f"name (it names {names})")
     return out
 
 

@@ -56,14 +56,13 @@ def tensor_entry(plan: Plan, f: OutFile, d: DeviceTensor, offset: int) -> dict:
         "role": t.role.role, "layer": t.layer, "storage": storage, "part": dp.part,
         "transform": dp.transform, "source": src,
     }
-    if dp.part in ("packed", "weight") and storage not in ("source",):
+    if dp.part in ("packed", "weight"):  # a data part names its scale parts, if the format has any
         names = {p.part: p for p in plan.parts(t)}
-        scale = {}
-        for part, field in (("scale", "device_key"), ("global_scale", "device_global_key")):
-            if part in names:
-                scale[field] = schema.device_name(t.role, t.layer, None if d.stacked else d.expert,
-                                                  names[part].suffix, stacked=d.stacked)
-        entry["scale"] = scale
+        scale = {field: schema.device_name(t.role, t.layer, None if d.stacked else d.expert, names[part].suffix,
+                                           stacked=d.stacked)
+                 for part, field in (("scale", "device_key"), ("global_scale", "device_global_key")) if part in names}
+        if scale:
+            entry["scale"] = scale
     return entry
 
 

@@ -35,8 +35,7 @@ from k3bundle.ops.expert_weight import ExpertWeight
 from k3bundle.io import SafetensorsFile
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
-from k3bundle.storage import CONVENTIONS, STORAGE, StorageFormat
-from k3bundle.storage.base import row_major_scale
+from k3bundle.storage import AS_STORED, CONVENTIONS, StorageFormat, storage_for, stored_format
 
 
 class _Files:
@@ -62,7 +61,7 @@ class _Files:
 
 def read_format(entry: dict, convention: str) -> StorageFormat:
     """The storage format of an index entry, reading its tensors as ``convention`` names them."""
-    fmt = STORAGE.get(entry["storage"])
+    fmt = stored_format(entry["storage"])
     if fmt is None:
         raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {entry['storage']!r}")
     return fmt.under(convention)
@@ -188,21 +187,21 @@ class BundleWeights(WeightSource):
         if len(by_rank) != 1:
             return None
         parts = next(iter(by_rank.values()))
-        if set(parts) != {"packed", "scale"} or read_format(parts["packed"], self.convention).name != "mxfp4":
+        fmt = read_format(next(iter(parts.values())), self.convention)
+        if not fmt.stores_mxfp4:
             return None
         src = parts["packed"]["source"]
         whole = list(src["rows"]) == [0, src["logical_shape"][0]] and \
             list(src.get("cols") or [0, src["logical_shape"][1]]) == [0, src["logical_shape"][1]]
         if self.rank is None and not whole:  # merged: a TP-split expert is assembled from several slices
             return None
-        packed = self.files.get(parts["packed"], expert)
+        packed, scale = fmt.mxfp4_pair({p: self.files.get(e, expert) for p, e in parts.items()})
         rows_p, cols_p = packed.shape[-2], packed.shape[-1] * 2
-        scale = row_major_scale(self.files.get(parts["scale"], expert), rows_p, cols_p // mxfp4.BLOCK)
         r0, r1 = src["rows"]
         rows = r1 - r0 if src.get("pad_rows") else rows_p
         cols = (src["cols"][1] - src["cols"][0]) if src.get("pad_cols") and src.get("cols") is not None else cols_p
         return (packed[:rows, :cols // 2].contiguous().to(self.device),
-                scale.view(torch.uint8)[:rows, :cols // mxfp4.BLOCK].contiguous().to(self.device))
+                scale[:rows, :cols // mxfp4.BLOCK].contiguous().to(self.device))
 
     def expert_stacks(self, role: str, layer: int) -> list[tuple[dict, tuple[int, int], torch.Tensor]] | None:
         """Every rank's stacked experts of a routed-expert role instance, each decoded at once:
@@ -359,7 +358,8 @@ class BundleWeights(WeightSource):
     def _expert_op(self, layer: int) -> str:
         """The grouped GEMM op of this layer's expert storage (graph_manifest custom_ops)."""
         entries = self.entries.get(("moe.expert.w1", layer))
-        fmt = read_format(entries[0], self.convention) if entries else STORAGE["mxfp4"]
+        fmt = read_format(entries[0], self.convention) if entries else \
+            storage_for(AS_STORED, ROLE_BY_NAME["moe.expert.w1"])  # as released
         return (fmt.gemm_op or "bf16_gemm") + "_grouped"
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ file and key, the logical slice and the transform; a byte offset inside the tens
 through stacking (expert), the swizzle (inverted), padding and the format's element geometry to
 the source element(s) and the source bytes it was made from, plus the scale that goes with it.
 
-Byte-exact transforms (``copy``, ``swizzle-128x4``) map one device byte to one source byte; the
-derived formats map a device byte to the source elements it encodes (an FP8 byte to one BF16
-element, an MXFP4-from-BF16 byte to two, a scale byte to its block).
+Here: the stacking, the swizzle and the padding, from the entry and the format's ``span``; the
+format's ``trace_element`` maps the device element to what it was made from (byte-exact
+transforms one device byte to one source byte; derived formats the source elements it encodes:
+an FP8 byte one BF16 element, an MXFP4-from-BF16 byte two, a scale byte its block).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import INDEX_NAME, find_entry, lookup
-from k3bundle.formats.geometry import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
+from k3bundle.formats.geometry import SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 from k3bundle.io.dtypes import dtype_bits
+from k3bundle.storage import SliceSource, stored_format
 
 
 def _unswizzle_index(k: int, scale_cols: int) -> tuple[int, int]:
@@ -62,6 +64,9 @@ def trace(bundle: str | Path, rank: int, key: str, offset: int | None = None, in
 
 def _trace_byte(e: dict, offset: int) -> dict:
     src = e["source"]
+    fmt = stored_format(e["storage"])
+    if fmt is None:
+        raise BundleError(f"{e['file']}: tensor {e['key']!r} has unknown storage {e['storage']!r}")
     expert, local = None, offset
     shape = list(e["shape"])
     if "experts" in src:
@@ -74,110 +79,26 @@ def _trace_byte(e: dict, offset: int) -> dict:
     rows, cols = src["rows"], src["cols"]
     n_rows = rows[1] - rows[0]
     n_cols = cols[1] - cols[0] if cols else None
-    storage, part, transform = e["storage"], e["part"], e["transform"]
+    part = e["part"]
+    per_row, per_col = fmt.span(part)  # source rows and columns behind one stored element
     res: dict = {"offset": offset, "file_offset": e["byte_range"][0] + offset}
     if expert is not None:
         res["expert"] = expert
-    skey = source_key(src, expert)
-    if "swizzle" in transform:  # flat swizzled scale: back to (row, block) of the row-major matrix
-        block = NVFP4_BLOCK if storage == "nvfp4" else MXFP4_BLOCK
-        pad_cols = src.get("pad_cols", 0)
-        scale_cols = (n_cols + pad_cols) // block
-        i, j = _unswizzle_index(elem, scale_cols)
+    if "swizzle" in e["transform"]:  # flat swizzled scale: back to (row, block) of the row-major matrix
+        i, j = _unswizzle_index(elem, (n_cols + src.get("pad_cols", 0)) // per_col)
         res["device_element"] = [i, j]
-        real_cols = n_cols // block
-        if i >= n_rows or j >= real_cols:
-            res["padding"] = True
-            return res
-        return _derive(res, e, src, skey, expert, storage, part, i, j, in_elem, block_units=True)
-    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
-    i, j = divmod(elem, inner)
-    res["device_element"] = [i, j] if len(shape) > 1 else [i]
-    if part == "global_scale":
-        res["padding"] = False
-        res["source"] = {"file": src["file"], "key": skey, "rows": rows, "cols": cols,
-                         "note": "multiplier 2^(largest live exponent - 8) over the whole source tensor, "
-                                 "stored as the layout's convention means it (compressed-tensors: 1 / multiplier)"}
-        res["scale"] = {"key": source_key(src, expert, "scale"), "rows": src["scale"]["rows"],
-                        "cols": src["scale"]["cols"]}
+        padding = i >= n_rows or j >= n_cols // per_col
+    else:
+        inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+        i, j = divmod(elem, inner)
+        res["device_element"] = [i, j] if len(shape) > 1 else [i]
+        padding = i >= math.ceil(n_rows / per_row) or (
+            "pad_cols" in src and len(shape) > 1 and j >= math.ceil(n_cols / per_col))
+    res["padding"] = padding
+    if padding:
         return res
-    # logical source columns per device column, and rows per device row, of this part
-    per_col = {"packed": 2, "scale": {"nvfp4": NVFP4_BLOCK, "fp8-e4m3-block128": FP8_BLOCK}.get(storage, MXFP4_BLOCK)
-               }.get(part, 1)
-    per_row = FP8_BLOCK if (storage, part) == ("fp8-e4m3-block128", "scale") else 1
-    if i >= math.ceil(n_rows / per_row) or (
-            "pad_cols" in src and len(shape) > 1 and j >= math.ceil(n_cols / per_col)):
-        res["padding"] = True
-        return res
-    return _derive(res, e, src, skey, expert, storage, part, i, j, in_elem, block_units=False)
-
-
-def _derive(res: dict, e: dict, src: dict, skey: str, expert: int | None, storage: str, part: str,
-            i: int, j: int, in_elem: int, block_units: bool) -> dict:
-    """Fill ``res`` with the source element(s)/bytes of device element (i, j) of a slice."""
-    logical = src["logical_shape"]
-    rows, cols = src["rows"], src["cols"]
-    row = rows[0] + i
-    c0 = cols[0] if cols else 0
-    res["padding"] = False
-    if storage == "source":  # copy: one device byte <- one source byte
-        inner = math.prod(logical[1:]) if len(logical) > 1 else 1
-        col = c0 + j
-        ds = max(dtype_bits(e["dtype"]) // 8, 1)
-        b = (row * inner + col) * ds + in_elem
-        res["source"] = {"file": src["file"], "key": skey, "element": [row, col] if len(logical) > 1 else [row],
-                         "bytes": [b, b + 1]}
-        return res
-    C = logical[1]
-    if storage == "mxfp4":  # pass-through pair: packed byte or scale byte, same position in the source
-        if part == "packed":
-            col = c0 // 2 + j
-            b = row * (C // 2) + col
-            res["source"] = {"file": src["file"], "key": skey, "element": [row, col], "bytes": [b, b + 1],
-                             "logical_cols": [2 * col, 2 * col + 2]}
-            sc = (2 * col) // MXFP4_BLOCK
-            res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
-                            "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1]}
-        else:
-            col = c0 // MXFP4_BLOCK + j
-            b = row * (C // MXFP4_BLOCK) + col
-            res["source"] = {"file": src["file"], "key": skey, "element": [row, col], "bytes": [b, b + 1],
-                             "logical_cols": [col * MXFP4_BLOCK, (col + 1) * MXFP4_BLOCK]}
-        return res
-    if storage == "nvfp4":
-        skey_packed = source_key(src, expert)
-        if part == "packed":
-            col = c0 // 2 + j
-            sc = (2 * col) // MXFP4_BLOCK
-            res["source"] = {"file": src["file"], "key": skey_packed, "element": [row, col],
-                             "bytes": [row * (C // 2) + col, row * (C // 2) + col + 1],
-                             "logical_cols": [2 * col, 2 * col + 2],
-                             "note": "same E2M1 codes as this source byte when its 32-block fits E4M3 "
-                                     "(else re-quantized: manifest nvfp4_requantized)"}
-        else:
-            lc = c0 + j * NVFP4_BLOCK
-            sc = lc // MXFP4_BLOCK
-            res["source"] = {"file": src["file"], "key": skey, "element": [row, sc],
-                             "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1],
-                             "logical_cols": [lc, lc + NVFP4_BLOCK]}
-            return res
-        res["scale"] = {"key": source_key(src, expert, "scale"), "element": [row, sc],
-                        "bytes": [row * (C // MXFP4_BLOCK) + sc, row * (C // MXFP4_BLOCK) + sc + 1]}
-        return res
-    # derived from BF16: fp8-e4m3-channel / fp8-e4m3-block128 / mxfp4-from-bf16
-    def elems(r0: int, r1: int, k0: int, k1: int) -> dict:
-        return {"file": src["file"], "key": skey, "rows": [r0, r1], "cols": [k0, k1],
-                "bytes": [(r0 * C + k0) * 2, ((r1 - 1) * C + k1) * 2]}
-    if part == "weight":  # FP8 element <- one BF16 element
-        res["source"] = elems(row, row + 1, c0 + j, c0 + j + 1)
-    elif part == "packed":  # two E2M1 codes <- two BF16 elements
-        res["source"] = elems(row, row + 1, c0 + 2 * j, c0 + 2 * j + 2)
-    elif storage == "fp8-e4m3-channel":  # the row's scale <- the whole row of the slice
-        res["source"] = elems(row, row + 1, c0, c0 + (cols[1] - cols[0]))
-    elif storage == "fp8-e4m3-block128":
-        r0, k0 = rows[0] + FP8_BLOCK * i, c0 + FP8_BLOCK * j
-        res["source"] = elems(r0, min(r0 + FP8_BLOCK, rows[1]), k0, min(k0 + FP8_BLOCK, cols[1]))
-    else:  # mxfp4-from-bf16 scale: one 32-block
-        k0 = c0 + MXFP4_BLOCK * j
-        res["source"] = elems(row, row + 1, k0, k0 + MXFP4_BLOCK)
+    scale = src.get("scale")
+    where = SliceSource(src["file"], source_key(src, expert), scale and source_key(src, expert, "scale"),
+                        src["logical_shape"], rows, cols, ds, scale)
+    res.update(fmt.trace_element(part, i, j, in_elem, where))
     return res

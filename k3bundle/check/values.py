@@ -7,14 +7,10 @@ right: a writer that stores a scale under a name whose convention means somethin
 un-swizzled, nibbles swapped) re-derives to the same bytes. This check reads the device tensors
 the way a loader of the declared convention does (``BundleWeights``: the convention's names and
 scale meaning, the layout's scale layout) and compares the values with the source's, decoded from
-the release's own MXFP4 / BF16 storage. Exact where the transform is lossless; otherwise within
-the bound of its format (docs/bundle-format.md "Conventions"):
-
-- NVFP4 from MXFP4: exact, except the 32-blocks the manifest lists as re-quantized, which may
-  lose up to their own largest magnitude (they lie 2^17 or more below the tensor's largest block);
-- FP8 E4M3: |x' - x| <= 2^-4 |x| + 2^-10 · amax / 448 (half an ulp of 3 mantissa bits, half a
-  subnormal step of the largest scale);
-- MXFP4 from BF16: |x' - x| <= amax / 3 of the 32-block (E2M1 rounding and FLOOR saturation).
+the release's own MXFP4 / BF16 storage. Exact where the format is lossless, except the 32-blocks
+the manifest lists as re-quantized (NVFP4 from MXFP4), which may lose up to their own largest
+magnitude (they lie 2^17 or more below the tensor's largest block); a lossy format's values
+within its own ``value_bound`` (FP8 E4M3, MXFP4 from BF16: docs/bundle-format.md "Conventions").
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ from pathlib import Path
 
 import torch
 
-from k3bundle.bundle.weights import BundleWeights
+from k3bundle.bundle.weights import BundleWeights, read_format
 from k3bundle.formats import mxfp4
 from k3bundle.schema import ROLE_BY_NAME, Format
 from k3bundle.schema.roles import Scope
 from k3bundle.source import SourceCheckpoint
 from k3bundle.storage import CONVENTIONS
-
-E4M3_MAX = 448.0
+from k3bundle.storage.arrays import block_amax
 
 
 def _recoded(index: dict) -> list[tuple[str, int | None]]:
@@ -60,22 +55,14 @@ def _source_value(src: SourceCheckpoint, role: str, layer: int | None, expert: i
     return src.get(src.schema.name(role, layer, expert)).to(torch.float32)
 
 
-def _blocks_amax(x: torch.Tensor) -> torch.Tensor:
-    """Per-element largest magnitude of its 32-column block."""
-    rows, cols = x.shape
-    a = x.abs().reshape(rows, cols // mxfp4.BLOCK, mxfp4.BLOCK).amax(-1, keepdim=True)
-    return a.expand(rows, cols // mxfp4.BLOCK, mxfp4.BLOCK).reshape(rows, cols)
-
-
-def _allowed(transform: str, want: torch.Tensor, requant: torch.Tensor | None) -> torch.Tensor:
+def _allowed(entry: dict, convention: str, want: torch.Tensor, requant: torch.Tensor | None) -> torch.Tensor:
     """Per-element allowed |error| of a device value decoding to ``want``'s source value."""
-    if transform.startswith("fp8-"):
-        return want.abs() * 2.0**-4 + want.abs().amax() * 2.0**-10 / E4M3_MAX
-    if transform.startswith("mxfp4-from-bf16"):
-        return _blocks_amax(want) / 3
+    fmt = read_format(entry, convention)
+    if not fmt.lossless:
+        return fmt.value_bound(want)
     allowed = torch.zeros_like(want)
     if requant is not None:
-        allowed = torch.where(requant, _blocks_amax(want), allowed)
+        allowed = torch.where(requant, block_amax(want, mxfp4.BLOCK), allowed)
     return allowed
 
 
@@ -128,7 +115,7 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
                 want = full[rows, cols] if full.ndim == 2 else full[rows]
                 req = mask[rows, cols] if mask is not None else None
                 err = (value.to(torch.float32) - want).abs()
-                bad = ~(err <= _allowed(entry["transform"], want, req))  # NaN error counts as bad
+                bad = ~(err <= _allowed(entry, bw.convention, want, req))  # NaN error counts as bad
                 if bool(bad.any()):
                     at = [int(i) for i in bad.nonzero()[0]]
                     where = f"rank {entry['rank']} {entry['key']}" + ("" if expert is None or "experts" not in s
@@ -143,16 +130,13 @@ def check_values(bundle: Path, src: SourceCheckpoint, index: dict, manifest: dic
     return instances, slices
 
 
-STACK_EXACT = ("copy", "swizzle-128x4", "nvfp4-from-mxfp4", "nvfp4-from-mxfp4+swizzle-128x4")
-
-
 def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requantized: dict[str, list],
                          role: str, layer: int, fail) -> tuple[int, int] | None:
     """``check_values`` for one routed-expert role of one layer, every rank's stacked experts
     decoded in one pass (the same comparison, element for element, as the one-expert path);
-    None when the layout does not stack them or their transform has a per-tensor error bound."""
+    None when the layout does not stack them or their format is lossy (its bound may span a tensor)."""
     stacks = bw.expert_stacks(role, layer)
-    if not stacks or any(entry["transform"] not in STACK_EXACT for entry, _, _ in stacks):
+    if not stacks or any(not read_format(entry, bw.convention).lossless for entry, _, _ in stacks):
         return None
     n = bw.config.text.num_experts
     name = src.schema.name
@@ -170,7 +154,7 @@ def _check_expert_stacks(bw: BundleWeights, src: SourceCheckpoint, conv, requant
         for e in range(a, b):  # re-quantized NVFP4 blocks (rare): their own bound, as one by one
             mask = _requantized_mask(requantized, keys[e], tuple(full.shape[1:])) if requantized else None
             if mask is not None:
-                allowed[e - a] = _allowed(entry["transform"], want[e - a], mask[rows, cols])
+                allowed[e - a] = _allowed(entry, bw.convention, want[e - a], mask[rows, cols])
         bad = ~((value.to(torch.float32) - want).abs() <= allowed)
         slices += b - a
         if bool(bad.any()):

@@ -57,7 +57,6 @@ from k3bundle.convert.manifest import convention_file
 from k3bundle.convert.run import LAYOUT_PATH, convert_shard, worker_init
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
-from k3bundle.formats import mxfp4
 from k3bundle.formats.scale_swizzle import unswizzle, unswizzle_stack
 from k3bundle.io import SafetensorsFile, read_header
 from k3bundle.io.dtypes import dtype_bits
@@ -67,6 +66,7 @@ from k3bundle.plan import plan_for_source
 from k3bundle.plan.storage import EXACT_TRANSFORMS
 from k3bundle.schema import ROLE_BY_NAME
 from k3bundle.source import SourceCheckpoint
+from k3bundle.storage import stored_format
 
 CHUNK = 64 << 20
 MAX_PROBLEMS = 50
@@ -399,17 +399,14 @@ def _compare_stack(bundle: Path, e: dict, src: SourceCheckpoint, report: VerifyR
 
 
 def _geometry(e: dict, info) -> tuple[int, int, int, int]:
-    """(stored bytes per element or 1, stored columns per logical column's unit, c0, c1) of a slice."""
-    src = e["source"]
-    cols = src["cols"]
-    if e["storage"] == "mxfp4":
-        div = 2 if e["part"] == "packed" else mxfp4.BLOCK
-        return 1, div, cols[0] // div, cols[1] // div
+    """(bytes per source element, source columns per stored element, c0, c1) of a slice: its
+    stored columns [c0, c1) of a source row, in source elements."""
+    cols = e["source"]["cols"]
     es = dtype_bits(info.dtype) // 8
-    row_elems = math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
     if cols is None or len(info.shape) != 2:
-        return es, 1, 0, row_elems
-    return es, 1, cols[0], cols[1]
+        return es, 1, 0, math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
+    div = stored_format(e["storage"]).span(e["part"])[1]  # an MXFP4 pair: 2 codes a byte, 32 a scale
+    return es, div, cols[0] // div, cols[1] // div
 
 
 def _coverage(key: str, entries, info, schema, roles, sf, report: VerifyReport) -> bool:

@@ -38,7 +38,7 @@ from k3bundle.checklist.quantity import Quantity, flops
 from k3bundle.executor.kda import CHUNK
 from k3bundle.plan import Plan, storage_name
 from k3bundle.schema import Role, Scope, Section
-from k3bundle.storage import STORAGE
+from k3bundle.storage import AS_STORED, STORAGE
 
 #: Peak to use for a GEMM by weight storage: the storage's own key if the layout lists it, else the
 #: next key down in precision (a card without the format runs it no faster than that).
@@ -130,7 +130,7 @@ class _Model:
         # GEMM FLOPs per token per layer of each type, split by peak bucket; roles listed for formulas
         self.gemm: dict[str, dict[str, float]] = {r: {} for r, _, _ in ROWS}
         self.roles: dict[str, list[str]] = {r: [] for r, _, _ in ROWS}
-        self.expert_format = "source"
+        self.expert_format = AS_STORED
         seen: set[str] = set()
         for role, layer in schema.instances():
             if not _is_gemm(role) or role.role in seen:

@@ -42,7 +42,8 @@ from k3bundle.plan import Plan, Target
 from k3bundle.plan.files import OutFile, shard_files
 from k3bundle.plan.storage import DevicePart, storage_format
 from k3bundle.storage import StorageFormat
-from k3bundle.storage.base import source_byte_cols, swizzle_rows
+from k3bundle.storage.arrays import swizzle_rows
+from k3bundle.storage.base import source_byte_cols
 
 READ_WHOLE = 64 << 20  # tensors up to this size are read in one piece
 READ_BLOCK = 32 << 20  # larger ones in blocks of whole rows of about this size

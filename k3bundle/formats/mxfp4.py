@@ -44,10 +44,10 @@ import torch
 from k3bundle.errors import CodecError
 from k3bundle.formats import e2m1, mxfp4_gpu
 from k3bundle.formats.geometry import MXFP4_BLOCK as BLOCK
+from k3bundle.formats.geometry import MXFP4_SCALE_RULES as SCALE_RULES
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-SCALE_RULES = ("floor", "rceil", "even")
 
 _E2M1_EMAX = 2  # floor(log2(6)): the largest power of two in E2M1
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -1,13 +1,16 @@
 """The common interface of a storage format and the device tensors it writes.
 
 A *storage format* says how one weight slice is stored on the device: which tensors (parts)
-hold it, how the converter makes their bytes from the source checkpoint's bytes, and how the
-bundle reader turns them back into values. Each format is one module of ``k3bundle.storage``
-defining ``FORMAT``, an instance of a ``StorageFormat`` subclass; the package collects them
-(docs/formats.md "Adding a storage format").
+hold it, their geometry (how many source rows and columns one stored element stands for), how
+the converter makes their bytes from the source checkpoint's bytes, how the bundle reader turns
+them back into values, and where any device byte came from (``k3bundle trace``). Each format is
+one module defining ``FORMAT``, an instance of a ``StorageFormat`` subclass; the registry
+collects them (docs/formats.md "Adding a storage format").
 
 Encoders are pure functions on numpy ``uint8`` arrays of raw little-endian bytes, one row per
-weight row; the math is the codecs of ``k3bundle.formats`` (torch).
+weight row; the math is the codecs of ``k3bundle.formats`` (torch). The geometry and the trace
+arithmetic are plain numbers: a format module loads torch, numpy and its codec only when it
+encodes or decodes (``storage.lazy``), so the registry, and ``k3bundle trace`` through it, load none.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
-from k3bundle.formats import mxfp4
-from k3bundle.formats.scale_swizzle import swizzle, swizzle_stack, swizzled_size, unswizzle, unswizzle_stack
+from k3bundle.formats.geometry import MXFP4_BLOCK
 from k3bundle.io.dtypes import dtype_bits, tensor_nbytes
 from k3bundle.schema import Format, Role
 from k3bundle.storage.conventions import COMPRESSED_TENSORS, Convention, convention
+from k3bundle.storage.lazy import lazy
+
+
+np, torch = lazy("numpy"), lazy("torch")
+scale_swizzle = lazy("k3bundle.formats.scale_swizzle")
 
 #: Transforms whose output bytes are the source bytes, re-arranged at most (reassembly-provable).
 EXACT_TRANSFORMS = ("copy", "swizzle-128x4")
@@ -61,38 +65,18 @@ def block_scale(suffix: str, dtype: str, rows: int, blocks: int, swizzled: bool,
     if not swizzled:
         return DevicePart("scale", suffix, dtype, (rows, blocks), source_part, transform, rows_per_group)
     t = SWIZZLE if transform == "copy" else f"{transform}+{SWIZZLE}"
-    return DevicePart("scale", suffix, dtype, (swizzled_size(rows, blocks),), source_part, t, rows_per_group,
+    return DevicePart("scale", suffix, dtype, (scale_swizzle.swizzled_size(rows, blocks),), source_part, t, rows_per_group,
                       swizzled_cols=blocks)
 
 
-def row_major_scale(scale: torch.Tensor, rows: int, blocks: int, stack: int = 0) -> torch.Tensor:
-    """A stored block scale as a [rows, blocks] matrix: un-swizzled when it is stored flat. With
-    ``stack`` = T, a stack of T experts' scales ([T, rows, blocks], or [T, flat]) -> [T, rows, blocks]."""
-    if stack:
-        if scale.ndim == 3:
-            return scale
-        return unswizzle_stack(scale.reshape(stack, -1), rows, blocks)
-    if scale.ndim == 1 or scale.shape[-1] != blocks:
-        return unswizzle(scale.reshape(-1), rows, blocks)
-    return scale
-
-
-def swizzle_rows(scale_rows: np.ndarray) -> np.ndarray:
-    """Row-major scale bytes [R, C] -> the 128x4 swizzled layout (flat, zero padded); a stack
-    [T, R, C] -> [T, flat] (each matrix swizzled on its own)."""
-    t = torch.from_numpy(np.ascontiguousarray(scale_rows))
-    return (swizzle_stack(t) if t.ndim == 3 else swizzle(t)).numpy()
-
-
-def bf16_rows(rows: np.ndarray) -> torch.Tensor:
-    """[n, 2C] uint8 (BF16 bytes) -> [n, C] torch.bfloat16 sharing memory."""
-    return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16)
-
-
-def u8(t: torch.Tensor) -> np.ndarray:
-    """A torch tensor's bytes as a uint8 array of shape [rows, row_bytes] (1-D -> [n, itemsize])."""
-    t = t.contiguous()
-    return t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+def codes_and_scale(fmt: "StorageFormat", shape: tuple[int, int], dtype: str, scale_dtype: str,
+                    scale_shape: tuple[int, ...], rows_per_group: int = 1, rows_per_row: int = 1) -> list[DevicePart]:
+    """The parts of a format that re-codes a BF16 weight: codes [rows, cols] of ``dtype`` and a
+    row-major scale matrix, both made from the source weight by transform ``fmt.name``."""
+    name = fmt.convention.suffix
+    return [DevicePart("weight", name("weight"), dtype, shape, "weight", fmt.name, rows_per_group),
+            DevicePart("scale", name("scale"), scale_dtype, scale_shape, "weight", fmt.name, rows_per_group,
+                       rows_per_row=rows_per_row)]
 
 
 def source_byte_cols(part: str, cols: tuple[int, int], dtype: str) -> tuple[int, int]:
@@ -105,7 +89,7 @@ def source_byte_cols(part: str, cols: tuple[int, int], dtype: str) -> tuple[int,
     if part == "packed":
         return c // 2, d // 2
     if part == "scale":
-        return c // mxfp4.BLOCK, d // mxfp4.BLOCK
+        return c // MXFP4_BLOCK, d // MXFP4_BLOCK
     s = dtype_bits(dtype) // 8
     return c * s, d * s
 
@@ -117,6 +101,32 @@ def bf16_linear_misfit(name: str, role: Role) -> str:
     if len(role.shape) != 2 or not role.template.endswith(".weight"):
         return f"{name} quantizes 2-D linear weights, but {role.role} has shape [{', '.join(role.shape)}]"
     return ""
+
+
+@dataclass(frozen=True)
+class SliceSource:
+    """The source of one device slice as the bundle index records it: what a format's
+    ``trace_element`` maps device elements back into. Rows and columns are logical (codes, not
+    bytes, for an MXFP4 pair), as in the index."""
+
+    file: str
+    key: str  # the source tensor this part is read from (one expert's, for stacked experts)
+    scale_key: str | None  # the release's E8M0 scales paired with it (an MXFP4 source), else None
+    logical_shape: list[int]
+    rows: list[int]  # [first, stop) of the slice
+    cols: list[int] | None  # [first, stop), None: every column
+    element_bytes: int  # bytes of one element of the device part
+    scale: dict | None = None  # the index's ``scale`` record of an MXFP4 source (rows, block cols)
+
+    @property
+    def c0(self) -> int:
+        return self.cols[0] if self.cols else 0
+
+    def bf16(self, r0: int, r1: int, k0: int, k1: int) -> dict:
+        """Source BF16 elements rows [r0, r1) x columns [k0, k1), with the byte span they lie in."""
+        c = self.logical_shape[1]
+        return {"file": self.file, "key": self.key, "rows": [r0, r1], "cols": [k0, k1],
+                "bytes": [(r0 * c + k0) * 2, ((r1 - 1) * c + k1) * 2]}
 
 
 _UNDER: dict[tuple[str, str], "StorageFormat"] = {}
@@ -141,6 +151,12 @@ class StorageFormat:
     gemm_op: str = ""  # the GEMM kernel a serving engine needs for weights in this format
     peak_bucket: str = "bf16"  # the card's peak_flops entry those GEMMs run at
     swizzles_scales: bool = False  # the layout's scale_layout applies to its scales
+    #: decode gives the source values exactly (a whole-tensor format: except the blocks the manifest
+    #: lists as re-quantized); lossy formats bound their error in ``value_bound``
+    lossless: bool = True
+    #: its parts are the release's MXFP4 pair (E2M1 codes, E8M0 scales per 32), which kernels that
+    #: read MXFP4 directly may take as they are (``mxfp4_pair``)
+    stores_mxfp4: bool = False
     #: per convention, how its description file describes weights in this format: compressed-tensors
     #: a config group's ``format`` and ``weights``; modelopt a ``quant_algo`` and ``group_size``.
     #: Empty for formats that do not quantize.
@@ -159,6 +175,11 @@ class StorageFormat:
             _UNDER[key] = other
         return _UNDER[key]
 
+    def named_under(self, convention_name: str) -> bool:
+        """Whether a layout of that tensor convention may store weights in this format: a format
+        that quantizes must be described by the convention's description file."""
+        return not self.described or convention_name in self.described
+
     def resolve(self, role: Role) -> str:
         """The concrete storage name of ``role`` under this format (e.g. source -> mxfp4)."""
         return self.name
@@ -174,6 +195,32 @@ class StorageFormat:
         ``swizzled``: the layout's scale layout is swizzled-128x4; ``source_dtype``: the stored
         dtype of a non-MXFP4 source tensor; ``scale_rule``: the layout's rule, if the format takes one.
         """
+        raise NotImplementedError
+
+    def span(self, part: str) -> tuple[int, int]:
+        """(source rows, source columns) one stored element of ``part`` stands for: (1, 1) an
+        element kept or re-coded one for one, (1, 2) a byte of two E2M1 codes, (1, 32) an MXFP4
+        block scale, (128, 128) an FP8 block scale. A stored part of a slice is its (padded) rows /
+        span rows by its columns / span columns, so what lies beyond the slice's real rows and
+        columns is padding, and a swizzled scale's row-major matrix has that many columns
+        (``k3bundle trace``, verify's reassembly)."""
+        return 1, 1
+
+    def trace_element(self, part: str, i: int, j: int, byte: int, s: SliceSource) -> dict:
+        """Where element (i, j) of device ``part`` of a slice (row i, column j of the part's
+        row-major matrix; its byte ``byte``) came from: ``{"source": {...}}`` naming the source
+        tensor, element(s) and byte span, plus ``"scale"`` where a source scale goes with it.
+        Arithmetic on the index's numbers only: ``k3bundle trace`` loads no torch."""
+        raise NotImplementedError
+
+    def value_bound(self, want: torch.Tensor) -> torch.Tensor:
+        """Lossy formats (``lossless`` False): the largest |decoded - source| allowed per element
+        of one slice whose source values are ``want`` [rows, cols] (verify's value check)."""
+        raise NotImplementedError
+
+    def mxfp4_pair(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Formats that store the MXFP4 pair (``stores_mxfp4``): the stored codes [rows, cols/2]
+        and E8M0 scales as a row-major [rows, cols/32] uint8 matrix (un-swizzled)."""
         raise NotImplementedError
 
     def encode(self, part: str, rows: np.ndarray, scale_rule: str | None) -> dict[str, np.ndarray]:
@@ -205,3 +252,12 @@ class StorageFormat:
         that decode a stack in one pass override this (verify's value check of 82k experts)."""
         n = next(iter(parts.values())).shape[0]
         return torch.stack([self.decode({k: v[t] for k, v in parts.items()}, out_dtype) for t in range(n)])
+
+
+class QuantizedBF16(StorageFormat):
+    """A format that quantizes BF16 2-D linear weights: it fits exactly those, and is lossy."""
+
+    lossless = False
+
+    def fits(self, layout_name: str, role: Role) -> str:
+        return bf16_linear_misfit(layout_name, role)

@@ -13,6 +13,9 @@ so that a loader of that convention reads the bytes by their names and gets the 
   (E4M3 per 16), ``weight_scale_2`` = **the dequant multiplier** itself, ``input_scale`` where
   activations are quantized. Its description file is ``hf_quant_config.json``.
 
+Which storage formats a convention can name is each format's own word (``StorageFormat.named_under``:
+those its description file describes, and those that do not quantize).
+
 The codecs (``k3bundle.formats``) always work with the dequant multiplier
 (x = e2m1 · e4m3 · multiplier, docs/formats.md); a convention converts it to and from what it
 stores. k3bundle's formats are weight-only, so no activation scale is written under either.
@@ -22,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from k3bundle.errors import CodecError
+from k3bundle.storage.lazy import lazy
+
+torch = lazy("torch")  # the NVFP4 global scale's arithmetic only
 
 COMPRESSED_TENSORS = "compressed-tensors"
 MODELOPT = "modelopt"
@@ -35,7 +39,6 @@ class Convention:
     name: str
     file: str  # the quantization description, written beside the device weights
     suffixes: tuple[tuple[str, str], ...]  # device part -> suffix on the weight stem
-    formats: tuple[str, ...]  # the storage formats this convention can name
     reciprocal_global: bool  # the stored NVFP4 global scale is 1 / the dequant multiplier
     semantics: str  # one line, for messages: what the names mean
 
@@ -60,13 +63,11 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in (
     Convention(COMPRESSED_TENSORS, "quantization_config.json",
                (("weight", ".weight"), ("packed", ".weight_packed"), ("scale", ".weight_scale"),
                 ("global_scale", ".weight_global_scale")),
-               ("source", "mxfp4", "mxfp4-from-bf16", "nvfp4", "fp8-e4m3-channel", "fp8-e4m3-block128"),
                reciprocal_global=True,
                semantics="weight_packed low nibble = even column, weight_global_scale = 1 / dequant multiplier"),
     Convention(MODELOPT, "hf_quant_config.json",
                (("weight", ".weight"), ("packed", ".weight"), ("scale", ".weight_scale"),
                 ("global_scale", ".weight_scale_2")),
-               ("source", "nvfp4"),
                reciprocal_global=False,
                semantics="weight low nibble = even column, weight_scale_2 = dequant multiplier"),
 )}

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from k3bundle.storage.base import QuantizedBF16, codes_and_scale
+from k3bundle.storage.lazy import lazy
 
-from k3bundle.formats import fp8
-from k3bundle.storage.base import DevicePart, StorageFormat, bf16_linear_misfit, bf16_rows, u8
+arrays, fp8, torch = lazy("k3bundle.storage.arrays"), lazy("k3bundle.formats.fp8"), lazy("torch")
 
 
-class FP8Channel(StorageFormat):
+def fp8_bound(want: torch.Tensor) -> torch.Tensor:
+    """|x' - x| <= 2^-4 |x| + 2^-10 amax / 448: half an ulp of 3 mantissa bits, half a subnormal
+    step of the largest scale."""
+    return want.abs() * 2.0**-4 + want.abs().amax() * 2.0**-10 / fp8.E4M3_MAX
+
+
+class FP8Channel(QuantizedBF16):
     name = "fp8-e4m3-channel"
     layout_names = ("fp8-e4m3-channel",)
     gemm_op = "fp8_e4m3_channel_gemm"
@@ -18,20 +23,24 @@ class FP8Channel(StorageFormat):
         "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
         "dynamic": False}}}
 
-    def fits(self, layout_name, role):
-        return bf16_linear_misfit(layout_name, role)
-
     def parts(self, shape, swizzled, source_dtype, scale_rule):
-        rows, cols = shape
-        name = self.convention.suffix
         # [rows, 1]: compressed-tensors' channel-strategy scale, broadcast over the row's columns
-        return [DevicePart("weight", name("weight"), "F8_E4M3", (rows, cols), "weight", self.name, 1),
-                DevicePart("scale", name("scale"), "F32", (rows, 1), "weight", self.name, 1)]
+        return codes_and_scale(self, shape, "F8_E4M3", "F32", (shape[0], 1))
 
-    def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
+    def trace_element(self, part, i, j, byte, s):
+        """An E4M3 element <- one BF16 element; a row's scale <- the whole row of the slice."""
+        row = s.rows[0] + i
+        if part == "weight":
+            return {"source": s.bf16(row, row + 1, s.c0 + j, s.c0 + j + 1)}
+        return {"source": s.bf16(row, row + 1, s.c0, s.c0 + (s.cols[1] - s.cols[0]))}
+
+    def value_bound(self, want):
+        return fp8_bound(want)
+
+    def encode(self, part, rows, scale_rule):
         """BF16 rows [n, 2C] -> weight [n, C] E4M3 bytes, scale [n, 4] (f32 dequant multiplier)."""
-        q, scale = fp8.quantize_channel(bf16_rows(rows))
-        return {"weight": u8(q), "scale": u8(scale.to(torch.float32))}
+        q, scale = fp8.quantize_channel(arrays.bf16_rows(rows))
+        return {"weight": arrays.u8(q), "scale": arrays.u8(scale.to(torch.float32))}
 
     def decode(self, parts, out_dtype):
         q = parts["weight"]

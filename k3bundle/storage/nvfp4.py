@@ -10,12 +10,14 @@ every rank slices the result: all ranks of an expert share one global scale.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from k3bundle.formats import mxfp4, nvfp4
+from k3bundle.formats.geometry import MXFP4_BLOCK, NVFP4_BLOCK
 from k3bundle.schema import Format, Role
-from k3bundle.storage.base import DevicePart, StorageFormat, block_scale, row_major_scale, u8
+from k3bundle.storage.base import DevicePart, StorageFormat, block_scale
+from k3bundle.storage.lazy import lazy
+from k3bundle.storage.mxfp4 import source_code_byte, source_scale_byte
+
+arrays, nvfp4 = lazy("k3bundle.storage.arrays"), lazy("k3bundle.formats.nvfp4")
+np, torch = lazy("numpy"), lazy("torch")
 
 TRANSFORM = "nvfp4-from-mxfp4"
 
@@ -23,7 +25,7 @@ TRANSFORM = "nvfp4-from-mxfp4"
 class NVFP4(StorageFormat):
     name = "nvfp4"
     layout_names = ("nvfp4",)
-    column_block = mxfp4.BLOCK  # slices of the MXFP4 source
+    column_block = MXFP4_BLOCK  # slices of the MXFP4 source
     whole_tensor = True
     requantized_part = "packed"
     gemm_op = "nvfp4_weight_gemm"
@@ -45,8 +47,31 @@ class NVFP4(StorageFormat):
         # each part reads the whole pair; source_part names the tensor its codes/scales come from
         name = self.convention.suffix
         return [DevicePart("packed", name("packed"), "U8", (rows, cols // 2), "packed", TRANSFORM, 0),
-                block_scale(name("scale"), "F8_E4M3", rows, cols // nvfp4.BLOCK, swizzled, "scale", TRANSFORM, 0),
+                block_scale(name("scale"), "F8_E4M3", rows, cols // NVFP4_BLOCK, swizzled, "scale", TRANSFORM, 0),
                 DevicePart("global_scale", name("global_scale"), "F32", (1,), "packed", TRANSFORM, 0)]
+
+    def span(self, part):
+        return {"packed": (1, 2), "scale": (1, NVFP4_BLOCK)}.get(part, (1, 1))
+
+    def trace_element(self, part, i, j, byte, s):
+        """A code byte <- the same codes in the MXFP4 source (unless its block was re-quantized); an
+        E4M3 scale <- the E8M0 scale of the 32-block its 16 columns lie in; the global scale <- the
+        whole source tensor."""
+        row = s.rows[0] + i
+        if part == "global_scale":
+            return {"source": {"file": s.file, "key": s.key, "rows": s.rows, "cols": s.cols,
+                               "note": "multiplier 2^(largest live exponent - 8) over the whole source tensor, "
+                                       "stored as the layout's convention means it (compressed-tensors: 1 / multiplier)"},
+                    "scale": {"key": s.scale_key, "rows": s.scale["rows"], "cols": s.scale["cols"]}}
+        if part == "packed":
+            col = s.c0 // 2 + j
+            return {"source": {**source_code_byte(s, row, col),
+                               "note": "same E2M1 codes as this source byte when its 32-block fits E4M3 "
+                                       "(else re-quantized: manifest nvfp4_requantized)"},
+                    "scale": source_scale_byte(s, s.scale_key, row, (2 * col) // MXFP4_BLOCK)}
+        lc = s.c0 + j * NVFP4_BLOCK
+        return {"source": {"file": s.file, **source_scale_byte(s, s.key, row, lc // MXFP4_BLOCK),
+                           "logical_cols": [lc, lc + NVFP4_BLOCK]}}
 
     def encode_tensor(self, parts: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[list[int]]]:
         """Whole MXFP4 pair -> packed [R, C/2], scale [R, C/16] E4M3 bytes, global_scale [1, 4] f32
@@ -63,7 +88,7 @@ class NVFP4(StorageFormat):
         any_bad = bad.reshape(len(stack), -1).any(-1).tolist()
         blocks = [[[int(r), int(b)] for r, b in bad[t].nonzero().tolist()] if any_bad[t] else []
                   for t in range(len(stack))]
-        stored = u8(self.convention.store_global(g)).reshape(len(stack), 1, -1)
+        stored = arrays.u8(self.convention.store_global(g)).reshape(len(stack), 1, -1)
         return {"packed": p16.numpy(), "scale": s16.numpy(), "global_scale": stored}, blocks
 
     def slice_tensor(self, parts, rows, cols):
@@ -72,20 +97,20 @@ class NVFP4(StorageFormat):
         if cols is not None:
             c, d = cols
             packed = packed[..., c // 2: d // 2]
-            scale = scale[..., c // nvfp4.BLOCK: d // nvfp4.BLOCK]
+            scale = scale[..., c // NVFP4_BLOCK: d // NVFP4_BLOCK]
         return {"packed": packed, "scale": scale, "global_scale": parts["global_scale"]}
 
     def decode(self, parts, out_dtype):
         packed = parts["packed"]
         rows, cols = packed.shape[-2], packed.shape[-1] * 2
-        scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK)
+        scale = arrays.row_major_scale(parts["scale"], rows, cols // NVFP4_BLOCK)
         multiplier = self.convention.load_global(parts["global_scale"].reshape(()))
         return nvfp4.dequantize(packed, scale.view(torch.uint8), multiplier, out_dtype)
 
     def decode_stack(self, parts, out_dtype):
         packed = parts["packed"]
         n, rows, cols = packed.shape[0], packed.shape[-2], packed.shape[-1] * 2
-        scale = row_major_scale(parts["scale"], rows, cols // nvfp4.BLOCK, stack=n)
+        scale = arrays.row_major_scale(parts["scale"], rows, cols // NVFP4_BLOCK, stack=n)
         multiplier = self.convention.load_global(parts["global_scale"].reshape(n)).reshape(n, 1, 1, 1)
         return nvfp4.dequantize(packed, scale.view(torch.uint8), multiplier, out_dtype)
 

@@ -7,11 +7,10 @@ the same for a role and additionally assert its source dtype.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import math
 
 from k3bundle.schema import Format, Role
-from k3bundle.storage.base import DevicePart, StorageFormat
+from k3bundle.storage.base import DevicePart, SliceSource, StorageFormat
 
 
 class Source(StorageFormat):
@@ -31,10 +30,19 @@ class Source(StorageFormat):
     def parts(self, shape, swizzled, source_dtype, scale_rule):
         return [DevicePart("weight", None, source_dtype, shape, "weight", "copy", 1)]
 
-    def encode(self, part: str, rows: np.ndarray, scale_rule) -> dict[str, np.ndarray]:
+    def trace_element(self, part: str, i: int, j: int, byte: int, s: SliceSource) -> dict:
+        """A copy: one device byte <- the same byte of the same element of the source."""
+        logical = s.logical_shape
+        inner = math.prod(logical[1:]) if len(logical) > 1 else 1
+        row, col = s.rows[0] + i, s.c0 + j
+        b = (row * inner + col) * s.element_bytes + byte
+        return {"source": {"file": s.file, "key": s.key, "element": [row, col] if len(logical) > 1 else [row],
+                           "bytes": [b, b + 1]}}
+
+    def encode(self, part, rows, scale_rule):
         return {part: rows}
 
-    def decode(self, parts: dict[str, torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, parts, out_dtype):
         return parts["weight"]
 
 
