@@ -29,7 +29,8 @@ from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 from k3bundle.formats import mxfp4
 from k3bundle.schema.roles import ROLES, Role
-from k3bundle.storage import AS_STORED, CONVENTIONS, LAYOUT_NAMES, STORAGE, layout_format, storage_for
+from k3bundle.storage import (AS_STORED, CONVENTIONS, ENTRY_POINT_GROUP, LAYOUT_NAMES, STORAGE, layout_format,
+                              storage_for)
 
 LAYOUT_SCHEMA_VERSION = 1
 
@@ -322,7 +323,8 @@ def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
         else:
             fmt = spec
         if not isinstance(fmt, str) or layout_format(fmt) is None:
-            p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(sorted(LAYOUT_NAMES))})")
+            p.add("format-name", f"{where}: unknown format {fmt!r} (known: {', '.join(sorted(LAYOUT_NAMES))}; "
+                                 f"another package's format joins by an entry point of group {ENTRY_POINT_GROUP})")
             continue
         rule = opts.get("scale_rule")
         choices = LAYOUT_NAMES[fmt].scale_rules

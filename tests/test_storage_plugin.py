@@ -71,6 +71,23 @@ def test_without_the_package_the_format_is_unknown(chain, tmp_path):
     assert r.returncode == 2 and f"unknown format '{NAME}'" in r.stderr
 
 
+def test_a_format_taking_a_known_name_or_failing_to_import_is_refused(chain, tmp_path):
+    from k3bundle.errors import K3Error
+    from k3bundle.storage import LAYOUT_NAMES, STORAGE, register
+    from k3bundle.storage.fp8_channel import FP8Channel
+
+    before = (dict(STORAGE), dict(LAYOUT_NAMES))
+    with pytest.raises(K3Error, match="other.module: the name 'fp8-e4m3-channel' is taken"):
+        register(FP8Channel(), "other.module")
+    assert (STORAGE, LAYOUT_NAMES) == before
+    site = tmp_path / "site"
+    _install(site)
+    (site / PLUGIN.name).write_text("import k3toy_missing_dependency\n")
+    r = run_cli("plan", "--target", str(_layout(tmp_path / "layout.yaml")), "--source", str(chain["src"]),
+                env={"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])})
+    assert r.returncode == 2 and f"storage format entry point '{NAME}' (k3toy_int8): cannot import it" in r.stderr
+
+
 def test_convert_writes_the_parts_the_format_declares(chain):
     mine = [e for e in chain["index"]["tensors"] if e["storage"] == NAME]
     assert {e["role"] for e in mine} == {"dense.gate_proj", "dense.up_proj", "dense.down_proj",

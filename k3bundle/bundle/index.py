@@ -24,6 +24,7 @@ from pathlib import Path
 
 from k3bundle.bundle.common import read_json
 from k3bundle.bundle.errors import BundleError
+from k3bundle.storage import StorageFormat, stored_format
 
 INDEX_NAME = "weights.index.json"
 INDEX_SCHEMA_VERSION = 1
@@ -36,6 +37,14 @@ def read_index(path: str | Path) -> dict:
     if not isinstance(doc.get("tensors"), list):
         raise BundleError(f"{path}: 'tensors' is missing or not a list")
     return doc
+
+
+def entry_format(entry: dict) -> StorageFormat:
+    """The storage format an entry's ``storage`` names (the registry's, or an installed package's)."""
+    fmt = stored_format(entry["storage"])
+    if fmt is None:
+        raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {entry['storage']!r}")
+    return fmt
 
 
 def find_entry(index: dict, rank: int, key: str) -> dict:

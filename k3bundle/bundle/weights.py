@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.bundle.index import read_index
+from k3bundle.bundle.index import entry_format, read_index
 from k3bundle.config import load_config
 from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy
 from k3bundle.formats import mxfp4
@@ -35,7 +35,7 @@ from k3bundle.ops.expert_weight import ExpertWeight
 from k3bundle.io import SafetensorsFile
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
-from k3bundle.storage import AS_STORED, CONVENTIONS, StorageFormat, storage_for, stored_format
+from k3bundle.storage import AS_STORED, CONVENTIONS, StorageFormat, storage_for
 
 
 class _Files:
@@ -61,10 +61,7 @@ class _Files:
 
 def read_format(entry: dict, convention: str) -> StorageFormat:
     """The storage format of an index entry, reading its tensors as ``convention`` names them."""
-    fmt = stored_format(entry["storage"])
-    if fmt is None:
-        raise BundleError(f"{entry['file']}: tensor {entry['key']!r} has unknown storage {entry['storage']!r}")
-    return fmt.under(convention)
+    return entry_format(entry).under(convention)
 
 
 def bundle_convention(manifest: dict, where: str | Path) -> str:

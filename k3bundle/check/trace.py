@@ -17,10 +17,10 @@ import math
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.bundle.index import INDEX_NAME, find_entry, lookup
+from k3bundle.bundle.index import INDEX_NAME, entry_format, find_entry, lookup
 from k3bundle.formats.geometry import SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 from k3bundle.io.dtypes import dtype_bits
-from k3bundle.storage import SliceSource, stored_format
+from k3bundle.storage import SliceSource
 
 
 def _unswizzle_index(k: int, scale_cols: int) -> tuple[int, int]:
@@ -64,9 +64,7 @@ def trace(bundle: str | Path, rank: int, key: str, offset: int | None = None, in
 
 def _trace_byte(e: dict, offset: int) -> dict:
     src = e["source"]
-    fmt = stored_format(e["storage"])
-    if fmt is None:
-        raise BundleError(f"{e['file']}: tensor {e['key']!r} has unknown storage {e['storage']!r}")
+    fmt = entry_format(e)
     expert, local = None, offset
     shape = list(e["shape"])
     if "experts" in src:

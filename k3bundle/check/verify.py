@@ -47,7 +47,7 @@ import torch
 
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
-from k3bundle.bundle.index import INDEX_NAME, read_index
+from k3bundle.bundle.index import INDEX_NAME, entry_format, read_index
 from k3bundle.bundle.index_writer import write_index
 from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
 from k3bundle.check.trace import source_key
@@ -66,7 +66,6 @@ from k3bundle.plan import plan_for_source
 from k3bundle.plan.storage import EXACT_TRANSFORMS
 from k3bundle.schema import ROLE_BY_NAME
 from k3bundle.source import SourceCheckpoint
-from k3bundle.storage import stored_format
 
 CHUNK = 64 << 20
 MAX_PROBLEMS = 50
@@ -405,7 +404,7 @@ def _geometry(e: dict, info) -> tuple[int, int, int, int]:
     es = dtype_bits(info.dtype) // 8
     if cols is None or len(info.shape) != 2:
         return es, 1, 0, math.prod(info.shape[1:]) if len(info.shape) > 1 else 1
-    div = stored_format(e["storage"]).span(e["part"])[1]  # an MXFP4 pair: 2 codes a byte, 32 a scale
+    div = entry_format(e).span(e["part"])[1]  # an MXFP4 pair: 2 codes a byte, 32 a scale
     return es, div, cols[0] // div, cols[1] // div
 
 
