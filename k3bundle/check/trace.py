@@ -20,7 +20,7 @@ from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import INDEX_NAME, entry_format, find_entry, lookup
 from k3bundle.formats.geometry import SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 from k3bundle.io.dtypes import dtype_bits
-from k3bundle.storage import SliceSource
+from k3bundle.storage import SliceSource, is_swizzled
 
 
 def _unswizzle_index(k: int, scale_cols: int) -> tuple[int, int]:
@@ -82,7 +82,7 @@ def _trace_byte(e: dict, offset: int) -> dict:
     res: dict = {"offset": offset, "file_offset": e["byte_range"][0] + offset}
     if expert is not None:
         res["expert"] = expert
-    if "swizzle" in e["transform"]:  # flat swizzled scale: back to (row, block) of the row-major matrix
+    if is_swizzled(e["transform"]):  # flat swizzled scale: back to (row, block) of the row-major matrix
         i, j = _unswizzle_index(elem, (n_cols + src.get("pad_cols", 0)) // per_col)
         res["device_element"] = [i, j]
         padding = i >= n_rows or j >= n_cols // per_col

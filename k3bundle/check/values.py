@@ -25,14 +25,14 @@ from k3bundle.formats import mxfp4
 from k3bundle.schema import ROLE_BY_NAME, Format
 from k3bundle.schema.roles import Scope
 from k3bundle.source import SourceCheckpoint
-from k3bundle.storage import CONVENTIONS
+from k3bundle.storage import CONVENTIONS, COPY
 from k3bundle.storage.arrays import block_amax
 
 
 def _recoded(index: dict) -> list[tuple[str, int | None]]:
     """(role, layer) of every role with a quantized or re-coded device tensor."""
     seen = sorted({(e["role"], -1 if e["layer"] is None else e["layer"]) for e in index["tensors"]
-                   if e["transform"] != "copy"})
+                   if e["transform"] != COPY})
     return [(role, None if layer == -1 else layer) for role, layer in seen]
 
 

@@ -66,6 +66,7 @@ from k3bundle.plan import plan_for_source
 from k3bundle.plan.storage import EXACT_TRANSFORMS
 from k3bundle.schema import ROLE_BY_NAME
 from k3bundle.source import SourceCheckpoint
+from k3bundle.storage import SWIZZLE
 
 CHUNK = 64 << 20
 MAX_PROBLEMS = 50
@@ -385,7 +386,7 @@ def _compare_stack(bundle: Path, e: dict, src: SourceCheckpoint, report: VerifyR
             chunk = keys[a: a + step]
             f.seek(e["byte_range"][0] + a * stride)
             dev = torch.frombuffer(bytearray(f.read(len(chunk) * stride)), dtype=torch.uint8).reshape(len(chunk), stride)
-            if e["transform"] == "swizzle-128x4":
+            if e["transform"] == SWIZZLE:
                 dev = unswizzle_stack(dev, n_rows, (w + pad_w) // es)
             dev = dev.reshape(len(chunk), n_rows, w + pad_w)
             want = src.get_stack(chunk).view(torch.uint8).reshape(len(chunk), rows_total, row_bytes)
@@ -452,7 +453,7 @@ def _compare_slice(bundle: Path, e: dict, expert: int | None, sf: SafetensorsFil
         f.seek(begin)
         dev = np.frombuffer(f.read(stride), dtype=np.uint8)
     n_rows = r1 - r0 + pad_rows
-    if e["transform"] == "swizzle-128x4":
+    if e["transform"] == SWIZZLE:
         dev = unswizzle(torch.from_numpy(dev.copy()), n_rows, (w + pad_w) // es).numpy()
     dev = dev.reshape(n_rows, w + pad_w)
     if dev[r1 - r0:].any() or dev[:, w:].any():

@@ -22,7 +22,7 @@ import pkgutil
 
 from k3bundle.errors import K3Error
 from k3bundle.schema import Role
-from k3bundle.storage.base import EXACT_TRANSFORMS, DevicePart, SliceSource, StorageFormat
+from k3bundle.storage.base import COPY, EXACT_TRANSFORMS, SWIZZLE, DevicePart, SliceSource, StorageFormat, is_swizzled
 from k3bundle.storage.conventions import COMPRESSED_TENSORS, CONVENTIONS, MODELOPT, Convention, convention
 
 ENTRY_POINT_GROUP = "k3bundle.storage_formats"
@@ -93,6 +93,7 @@ def storage_for(layout_name: str, role: Role, convention_name: str = COMPRESSED_
 
 _discover()
 
-__all__ = ["AS_STORED", "COMPRESSED_TENSORS", "CONVENTIONS", "Convention", "DevicePart", "ENTRY_POINT_GROUP",
-           "EXACT_TRANSFORMS", "LAYOUT_NAMES", "MODELOPT", "STORAGE", "SliceSource", "StorageFormat",
-           "convention", "layout_format", "load_installed", "register", "storage_for", "stored_format"]
+__all__ = ["AS_STORED", "COMPRESSED_TENSORS", "CONVENTIONS", "COPY", "Convention", "DevicePart",
+           "ENTRY_POINT_GROUP", "EXACT_TRANSFORMS", "LAYOUT_NAMES", "MODELOPT", "STORAGE", "SWIZZLE",
+           "SliceSource", "StorageFormat", "convention", "is_swizzled", "layout_format", "load_installed",
+           "register", "storage_for", "stored_format"]

@@ -28,9 +28,10 @@ from k3bundle.storage.lazy import lazy
 np, torch = lazy("numpy"), lazy("torch")
 scale_swizzle = lazy("k3bundle.formats.scale_swizzle")
 
+COPY = "copy"  # the transform of a part that is its source part's bytes
+SWIZZLE = "swizzle-128x4"  # a scale permuted into 128x4 tiles; after another transform: "<that>+swizzle-128x4"
 #: Transforms whose output bytes are the source bytes, re-arranged at most (reassembly-provable).
-EXACT_TRANSFORMS = ("copy", "swizzle-128x4")
-SWIZZLE = "swizzle-128x4"
+EXACT_TRANSFORMS = (COPY, SWIZZLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +60,17 @@ class DevicePart:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
 
 
+def is_swizzled(transform: str) -> bool:
+    """Whether a part with this transform is a flat 128x4-swizzled scale."""
+    return transform == SWIZZLE or transform.endswith(f"+{SWIZZLE}")
+
+
 def block_scale(suffix: str, dtype: str, rows: int, blocks: int, swizzled: bool, source_part: str,
                 transform: str, rows_per_group: int) -> DevicePart:
     """A per-row block-scale part [rows, blocks], or its flat 128x4 swizzle (``swizzled``)."""
     if not swizzled:
         return DevicePart("scale", suffix, dtype, (rows, blocks), source_part, transform, rows_per_group)
-    t = SWIZZLE if transform == "copy" else f"{transform}+{SWIZZLE}"
+    t = SWIZZLE if transform == COPY else f"{transform}+{SWIZZLE}"
     return DevicePart("scale", suffix, dtype, (scale_swizzle.swizzled_size(rows, blocks),), source_part, t, rows_per_group,
                       swizzled_cols=blocks)
 

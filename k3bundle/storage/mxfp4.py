@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from k3bundle.formats.geometry import MXFP4_BLOCK as BLOCK
 from k3bundle.schema import Format, Role
-from k3bundle.storage.base import DevicePart, SliceSource, StorageFormat, block_scale
+from k3bundle.storage.base import COPY, DevicePart, SliceSource, StorageFormat, block_scale
 from k3bundle.storage.lazy import lazy
 
 arrays, mxfp4, torch = lazy("k3bundle.storage.arrays"), lazy("k3bundle.formats.mxfp4"), lazy("torch")
@@ -78,7 +78,7 @@ class MXFP4(StorageFormat):
                 f"{role.fmt.value}; use mxfp4-from-bf16 to quantize it")
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
-        return mxfp4_parts(self, shape, swizzled, "copy", 1, pass_through=True)
+        return mxfp4_parts(self, shape, swizzled, COPY, 1, pass_through=True)
 
     def span(self, part):
         return PAIR_SPAN[part]

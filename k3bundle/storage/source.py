@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from k3bundle.schema import Format, Role
-from k3bundle.storage.base import DevicePart, SliceSource, StorageFormat
+from k3bundle.storage.base import COPY, DevicePart, SliceSource, StorageFormat
 
 
 class Source(StorageFormat):
@@ -28,7 +28,7 @@ class Source(StorageFormat):
                 f"{role.fmt.value}")
 
     def parts(self, shape, swizzled, source_dtype, scale_rule):
-        return [DevicePart("weight", None, source_dtype, shape, "weight", "copy", 1)]
+        return [DevicePart("weight", None, source_dtype, shape, "weight", COPY, 1)]
 
     def trace_element(self, part: str, i: int, j: int, byte: int, s: SliceSource) -> dict:
         """A copy: one device byte <- the same byte of the same element of the source."""
