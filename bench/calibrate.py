@@ -296,6 +296,22 @@ def summarise(rep, tol, taps: bool = False) -> dict:
     return out
 
 
+def added_noise_ratio(rep, golden: dict) -> float | None:
+    """The worst ratio of a clean case's added NMSE to the goldens' own teacher-forced BF16 noise
+    at the same tap (golden/noise.py): how far above the reference's rounding a device's
+    teacher-forced arithmetic lands, what ``noise.added_factor`` must cover (None: no noise)."""
+    from k3bundle.golden.noise import ADDED, noise_key
+    worst = None
+    for r in rep.results:
+        ref = golden.get(noise_key("nmse", ADDED + r.tap)) if r.mode == "added" else None
+        v = r.values.get("nmse")
+        if ref is None or not isinstance(v, float) or float(np.asarray(ref).reshape(-1)[0]) <= 0:
+            continue
+        q = v / float(np.asarray(ref).reshape(-1)[0])
+        worst = q if worst is None or q > worst else worst
+    return worst
+
+
 def _judge(bundle: Path, device: str, only: list[str] | None, after_step=None):
     from k3bundle.validate.devices import InProcess
     from k3bundle.validate.run import _case_arrays, judge_case, load_goldens
@@ -334,8 +350,10 @@ def run_job(job: dict) -> list[dict]:
         base["golden_device"] = job["golden_device"]
     records = []
     if job["clean"]:
+        from k3bundle.validate.run import _case_arrays
         reps, tol, inter = _judge(bundle, job["device"], None)
-        records += [{**base, "fault": None, **summarise(r, tol)} for r in reps]
+        records += [{**base, "fault": None, **summarise(r, tol),
+                     "added_noise_ratio": added_noise_ratio(r, _case_arrays(inter, r.name))} for r in reps]
     else:
         from k3bundle.golden.store import read_npz
         inter = read_npz(bundle / "validation" / "golden_intermediates.npz")
@@ -492,7 +510,9 @@ def rates(records: list[dict], tol_of) -> dict:
         d[0] += 1
         d[1] += r["status"] in ("fail", "refused")
         d[2] += r in located
+    ratios = [r["added_noise_ratio"] for r in clean if r.get("added_noise_ratio") is not None]
     return {"clean_cases": len(clean), "clean_case_failures": sum(r["status"] == "fail" for r in clean),
+            "added_noise_ratio_worst": max(ratios, default=None),
             "clean_bundles": len(bundles), "clean_bundle_failures": len(failed_bundles),
             "false_alarms": [f"{r['preset']}:{r['seed']} {r['layout']} {r['device']} {r['case']}: "
                              f"{(r.get('first_failure') or {}).get('tap')} {r.get('reason', '')}"
@@ -556,8 +576,11 @@ def limit_rows(table: dict, tol) -> list[dict]:
         clean_ok = not worse(metric, cw, limit) and cw != limit
         fault_ok = fb is None or worse(metric, fb, limit)
         # a free-running limit is a floor: validate widens it per golden with the reference's own
-        # BF16 noise (golden/noise.py), so its evidence is the held-out false-alarm rate
-        floor = key.split("/")[0] in ("inherited", "distribution", "state") and tol.noise.get("factor", 0) > 0
+        # BF16 noise (golden/noise.py), so its evidence is the held-out false-alarm rate; so is an
+        # added one, with the reference's own teacher-forced BF16 noise
+        mode = key.split("/")[0]
+        floor = ((mode in ("inherited", "distribution", "state") and tol.noise.get("factor", 0) > 0)
+                 or (mode == "added" and tol.noise.get("added_factor", 0) > 0))
         rows.append({"key": key, "limit": limit, "clean_worst": cw, "clean_by": t["clean_by"], "fault_best": fb,
                      "fault_by": t["fault_by"], "between": clean_ok and fault_ok, "floor": floor,
                      "safety": ratio(metric, limit, cw), "headroom": None if fb is None else ratio(metric, fb, limit)})

@@ -7,8 +7,10 @@
 # bundles, and the small preset (goldens on the GPU: a small job's CPU goldens take ~20 min on
 # one core), clean and faulted; plus the exact check's GPU test. PART=exact2: held-out clean bundles
 # with the exact check on, CPU (800+) and CUDA with goldens made on the GPU (900+); the two faults
-# only the exact check sees, on held-out CPU bundles (560).
-# Usage: PART=clean|faults|exact|exact2|exact3 CAL_SECONDS=540 bash bench/device_calibrate_rates.sh OUT
+# only the exact check sees, on held-out CPU bundles (560). PART=added: the added limits widened with
+# the goldens' own teacher-forced BF16 noise (noise.added_factor) — every fault on held-out bundles
+# (CPU 1000+, CUDA 1040+) and held-out clean bundles (CPU 1100+, CUDA 1140+).
+# Usage: PART=clean|faults|exact|exact2|exact3|added CAL_SECONDS=540 bash bench/device_calibrate_rates.sh OUT
 set -u
 OUT=${1:?OUT}; PART=${PART:?PART=clean, faults or exact}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,6 +39,12 @@ elif [ "$PART" = exact3 ]; then  # more of exact2's held-out clean bundles, new 
   timeout $T $C --out $W/cpu --device cpu --workers 12 --no-faults $(alt 813 826) $L3 > $OUT/cpu.log 2>&1 &
   timeout $T $C --out $W/cuda --device cuda --golden-device cuda --workers 4 --no-faults $(alt 915 925) $L2 \
     > $OUT/cuda.log 2>&1 &
+elif [ "$PART" = added ]; then
+  timeout $T $C --out $W/cpuf --device cpu --workers 5 --faults-only $(alt 1000 1001) $L3 > $OUT/cpuf.log 2>&1 &
+  timeout $T $C --out $W/cudaf --device cuda --workers 4 --faults-only $(alt 1040 1041) --layout b300-tp8 \
+    > $OUT/cudaf.log 2>&1 &
+  timeout $T $C --out $W/cpu --device cpu --workers 4 --no-faults $(alt 1100 1109) $L3 > $OUT/cpu.log 2>&1 &
+  timeout $T $C --out $W/cuda --device cuda --workers 2 --no-faults $(alt 1140 1149) $L2 > $OUT/cuda.log 2>&1 &
 else
   timeout $T $C --out $W/cpu --device cpu --workers 6 $(alt 3 4) $L3 > $OUT/cpu.log 2>&1 &
   timeout $T $C --out $W/cpuf --device cpu --workers 6 --faults-only $(alt 500 501) $L3 > $OUT/cpuf.log 2>&1 &

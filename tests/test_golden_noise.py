@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3bundle.golden.noise import noise_key, widen
+from k3bundle.golden.noise import ADDED, noise_key, widen
 
 
 def test_an_upper_bound_widens_to_factor_times_the_noise():
@@ -52,5 +52,10 @@ def test_goldens_carry_the_noise_of_every_free_running_check(tiny_trained_ckpt, 
     assert 0 < noise[noise_key("kld_mean", "logits")] < 5e-3
     assert noise[noise_key("nmse", "embed")] == 0.0  # an embedding row is exact in BF16
     assert any(k.startswith("bf16_noise.drift_nmse.decode_states.layers.") for k in noise)
+    # the teacher-forced noise (greedy taps every position): prompt and decode steps, every layer;
+    # a trained model's layers add far less than the fixed added limit (5e-4), so it stays in force
+    for tap in ("layers.8.mixer_out", "decode.layers.8.mixer_out", "layers.0.ffn_out", "logits"):
+        assert 0 < noise[noise_key("nmse", ADDED + tap)] < 1e-4, tap
+        assert 1 - 1e-4 < noise[noise_key("cosine", ADDED + tap)] < 1, tap
     assert generate_goldens(tiny_trained_ckpt, out=tmp_path / "h", cases_dir=cases, noise=False) and \
         not any("/bf16_noise." in k for k in read_npz(tmp_path / "h" / "golden_intermediates.npz"))

@@ -133,3 +133,28 @@ def test_the_exact_check_runs_only_on_the_goldens_own_weights_with_its_devices_l
     goldens(weights_manifest_sha256=None, device="cpu", source=str(ckpt.resolve()))
     assert exact_applies(ckpt, val, "cpu") == ("ran", "exact")
     assert "another checkpoint" in exact_applies(tmp_path, val, "cpu")[0]
+
+
+def test_added_limits_widen_with_the_references_own_teacher_forced_noise(tmp_path):
+    from k3bundle.golden.noise import ADDED
+    from k3bundle.validate.judge import layer_checks
+
+    p = tmp_path / "t.yaml"
+    p.write_text("schema_version: 1\nformat: t\nadded: {default: {nmse: 5.0e-4}}\n"
+                 "emulation: {default: {nmse: 5.0e-4}}\nnoise: {added_factor: 2.5}\n")
+    tol = load_tolerances(p)
+    ref = torch.ones(4, 8, dtype=torch.float64)
+    # NMSE of ref + d against ref is d^2 (ref is all ones): 8e-4 on both taps, a fault (1e-2) on one
+    noisy, quiet, fault = ("layers.3.mixer_out", "decode.layers.5.mixer_out", "layers.7.ffn_out")
+    outputs = {noisy: ref + 8e-4 ** 0.5, quiet: ref + 8e-4 ** 0.5, fault: ref + 1e-1}
+    golden = {noise_key("nmse", ADDED + noisy): np.asarray(4e-4),  # 2.5 x 4e-4 = 1e-3 > 8e-4
+              noise_key("nmse", ADDED + quiet): np.asarray(1e-5),  # 2.5e-5 < 5e-4: the fixed limit
+              noise_key("nmse", ADDED + fault): np.asarray(1e-4)}
+    got = {r.tap: r for r in layer_checks(outputs, lambda n: ref, "c", tol, "added", golden.get, noise=golden)}
+    assert got[noisy].passed and got[noisy].limits["nmse"] == pytest.approx(1e-3)
+    assert not got[quiet].passed and got[quiet].limits["nmse"] == 5e-4  # never tighter
+    assert not got[fault].passed and got[fault].limits["nmse"] == 5e-4  # a fault stays a fault
+    old = {r.tap: r for r in layer_checks(outputs, lambda n: ref, "c", tol, "added", golden.get, noise={})}
+    assert not old[noisy].passed and old[noisy].limits["nmse"] == 5e-4  # goldens without the noise: fixed
+    emu = {r.tap: r for r in layer_checks(outputs, lambda n: ref, "c", tol, "emulation", golden.get, noise=golden)}
+    assert not emu[noisy].passed  # a dump's emulation check is arithmetic noise only: never widened

@@ -156,7 +156,14 @@ class Executor:
 
     def teacher_forced(self, feed: Feed, decode: bool = False,
                        after_step: Callable[[int, ModelCache], None] | None = None) -> dict[str, torch.Tensor]:
-        """Every layer's outputs computed on ``feed``'s inputs (one prefill, fresh cache).
+        """``teacher_forced_steps`` run to its end on this executor's weights."""
+        return drive(self.teacher_forced_steps(feed, decode, after_step), self.w)
+
+    def teacher_forced_steps(self, feed: Feed, decode: bool = False,
+                             after_step: Callable[[int, ModelCache], None] | None = None):
+        """Every layer's outputs computed on ``feed``'s inputs (one prefill, fresh cache), as a
+        generator of layer requests (``drive``; ``drive_lockstep`` shares each layer's read with
+        other runs).
 
         ``feed(name)`` returns a full-sequence tap ([T, ...], every position) or None. The
         stream starts from the fed ``embed``; each layer reads the fed AttnRes outputs where
@@ -175,13 +182,13 @@ class Executor:
         """
         out: dict[str, torch.Tensor] = {}
         cache = self.new_cache()
-        self._forward(None, cache, decode=False, boundaries=[], feed=feed, collect=out)
+        yield from self._forward_steps(None, cache, decode=False, boundaries=[], feed=feed, collect=out)
         steps = feed("decode.embed") if decode else None
         per_step: dict[str, list[torch.Tensor]] = {}
         for i in range(0 if steps is None else len(steps)):
             row = lambda n, i=i: _row(feed("decode." + n), i)  # noqa: E731
             step: dict[str, torch.Tensor] = {}
-            self._forward(None, cache, decode=True, boundaries=[], feed=row, collect=step)
+            yield from self._forward_steps(None, cache, decode=True, boundaries=[], feed=row, collect=step)
             if after_step is not None:
                 after_step(i, cache)
             for k, v in step.items():  # layers.… -> decode.layers.…, own.layers.… -> own.decode.layers.…

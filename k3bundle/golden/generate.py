@@ -25,11 +25,12 @@ import torch
 from k3bundle import __version__
 from k3bundle.executor import SourceWeights
 from k3bundle.executor.weights import resident_budget
-from k3bundle.executor.case import replay_args, run_case, run_cases
+from k3bundle.executor.case import case_steps, replay_args, run_case, run_cases
+from k3bundle.executor.model import drive_lockstep
 from k3bundle.executor.kda import CHUNK
 from k3bundle.golden.cases import Case, load_cases
 from k3bundle.golden.errors import GoldenFileError
-from k3bundle.golden.noise import noise_arrays, noise_metrics
+from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import tolerance_path
 from k3bundle.io.files import sha256_file, write_atomic
@@ -104,11 +105,26 @@ def all_case_arrays(weights, bf16, runnable: list[tuple[Case, list[int]]], forms
     share each layer's read (``executor.case.run_cases``); the same arrays as case by case."""
     runs = run_cases(weights, [golden_run_args(c, ids, forms) for c, ids in runnable])
     arrays = [{k: to_numpy(v) for k, v in r.arrays.items()} for r in runs]
-    if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
-        replays = run_cases(bf16, [replay_args(a, ids, forms=forms) for a, (_, ids) in zip(arrays, runnable)])
-        for a, r in zip(arrays, replays):
+    if bf16 is not None:  # the reference's own BF16 noise: free-running replays, teacher-forced passes
+        tapped = [a for a, (_, ids) in zip(arrays, runnable) if taps_every_position(a, ids)]
+        replays = [case_steps(bf16, **replay_args(a, ids, forms=forms)) for a, (_, ids) in zip(arrays, runnable)]
+        done = drive_lockstep(replays + [added_noise_steps(bf16, a) for a in tapped], bf16)
+        for a, r in zip(arrays, done):
             a.update(noise_metrics(a, r.arrays))
+        for a, added in zip(tapped, done[len(replays):]):
+            a.update(added)
     return arrays
+
+
+def taps_every_position(arrays: dict, ids: list[int]) -> bool:
+    """Whether a case's goldens tap every prompt position: what a teacher-forced pass is fed."""
+    return arrays["positions"].size == len(ids)
+
+
+def bf16_added_noise(bf16, arrays: dict, ids: list[int]) -> dict[str, np.ndarray]:
+    """The reference's own teacher-forced BF16 noise, what added limits widen to (a case that
+    taps every position: the layer checks need them all), else nothing."""
+    return added_noise_arrays(bf16, arrays) if taps_every_position(arrays, ids) else {}
 
 
 def manifest_digest(path: Path) -> str | None:
@@ -221,6 +237,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             arrays = case_arrays(weights, case, ids, forms)
             if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
                 arrays.update(noise_arrays(bf16, arrays, ids, forms))
+                arrays.update(bf16_added_noise(bf16, arrays, ids))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():

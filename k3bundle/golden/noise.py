@@ -16,8 +16,18 @@ free-running metric of that run against the float32 goldens is stored beside the
   (so a greedy divergence at a gap the reference's own rounding could close is a near tie).
 
 validate widens a free-running limit to ``noise.factor`` × this value (for a lower bound, the
-deficit 1 − value) where that is looser than the tolerance file's limit, never tighter; the
-teacher-forced (added) checks, which locate faults, keep their fixed limits.
+deficit 1 − value) where that is looser than the tolerance file's limit, never tighter.
+
+The teacher-forced (added) checks, which locate faults, have the same problem one layer at a
+time: what a layer adds in BF16 depends on how far its weights amplify rounding, and a deep
+random model has layers that add more than the tiny one's worst (docs/validation.md, "A clean
+false alarm at full depth"). So where a case taps every position, the reference runs its
+layers once more teacher-forced in BF16 on the goldens' own inputs (exactly what validate's
+built-in device does, ``Executor.teacher_forced``), and stores
+``bf16_noise.nmse.added.{tap}`` and ``bf16_noise.cosine.added.{tap}``; an added limit widens
+to ``noise.added_factor`` × that, never tighter than the fixed limit. The factor is smaller
+than the free-running one: a teacher-forced value has no chaotic amplification to absorb,
+only the difference between a device's BF16 arithmetic and the reference's.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from k3bundle.golden.store import as_tensor
 from k3bundle.golden.tolerances import METRICS
 
 PREFIX = "bf16_noise."
+ADDED = "added."  # teacher-forced noise: bf16_noise.{metric}.added.{tap}
 
 
 def noise_key(metric: str, tap: str) -> str:
@@ -71,6 +82,38 @@ def noise_metrics(golden: Mapping[str, np.ndarray], run: Mapping[str, torch.Tens
         elif how == "tensor" and ref.numel():
             out[noise_key("nmse", name)] = M.nmse(ref, x)
             out[noise_key("cosine", name)] = M.cosine(ref, x)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+def added_noise_steps(bf16_weights, golden: Mapping[str, np.ndarray]):
+    """The teacher-forced metrics of a BF16 run of every layer fed the goldens (prompt and
+    decode steps, as validate's built-in device runs it), as a generator of layer requests
+    (``executor.model.drive_lockstep`` shares each layer's read among cases); the golden must
+    tap every position."""
+    from k3bundle.executor import Executor
+
+    feed = lambda n: as_tensor(golden.get(n))  # noqa: E731
+    outputs = yield from Executor(bf16_weights).teacher_forced_steps(feed, decode=True)
+    return added_noise_metrics(golden, outputs)
+
+
+def added_noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``added_noise_steps`` run to its end: one case alone."""
+    from k3bundle.executor.model import drive
+
+    return drive(added_noise_steps(bf16_weights, golden), bf16_weights)
+
+
+def added_noise_metrics(golden: Mapping[str, np.ndarray], outputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """``bf16_noise.{nmse|cosine}.added.{tap}`` of teacher-forced BF16 layer ``outputs``."""
+    out: dict[str, float] = {}
+    for name, x in outputs.items():
+        if name.startswith(("own.", "noise.")) or name not in golden:
+            continue
+        ref = as_tensor(golden[name])
+        if ref.numel():
+            out[noise_key("nmse", ADDED + name)] = M.nmse(ref, x)
+            out[noise_key("cosine", ADDED + name)] = M.cosine(ref, x)
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 

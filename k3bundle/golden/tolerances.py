@@ -12,7 +12,8 @@ A file has these sections (docs/validation.md explains each number's origin):
   GPU is on either side (summation order and library functions differ: a measured floor);
 - ``greedy`` and ``state``: near-tie logit gap for greedy divergence, per-step state drift;
 - ``noise``: ``factor``, how far free-running limits (inherited, logits, state) widen with the
-  reference's own BF16 noise (``golden.noise``); absent or 0: fixed limits.
+  reference's own BF16 noise (``golden.noise``), and ``added_factor``, how far the teacher-forced
+  (added) limits widen with the reference's own teacher-forced BF16 noise; absent or 0: fixed limits.
 
 Per-tap sections map a tap kind (the last part of a tap name; the kinds the tap grammar
 ``executor.taps.TAPS`` judges as tensors or logits) or ``default`` to metric limits. ``METRICS``
@@ -47,7 +48,9 @@ SECTIONS = {
     "router": {"expert_set", "near_tie_eps", "noise_sigmas"},
     "greedy": {"near_tie_margin"},
     "state": {"drift_nmse"},
-    "noise": {"factor"},  # free-running limits widen to factor x the reference's BF16 noise (golden/noise.py)
+    # free-running limits widen to factor x the reference's BF16 noise, added ones to
+    # added_factor x its teacher-forced BF16 noise (golden/noise.py)
+    "noise": {"factor", "added_factor"},
 }
 
 

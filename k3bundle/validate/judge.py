@@ -5,12 +5,12 @@ agreement and state drift. Which taps are judged how comes from the tap grammar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from k3bundle.executor.taps import spec_of, tap_kind
-from k3bundle.golden.noise import widen
+from k3bundle.golden.noise import ADDED, widen
 from k3bundle.golden.tolerances import Tolerances
 from k3bundle import metrics as M
 from k3bundle.validate.compare import TapResult, compare_logits, compare_router, compare_tensor
@@ -57,11 +57,15 @@ def _margin_of(router_ids: str) -> str:
 
 
 def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object], case: str, tol: Tolerances,
-                 mode: str, margins: Callable[[str], object], exact_section: str = "exact") -> list[TapResult]:
+                 mode: str, margins: Callable[[str], object], exact_section: str = "exact",
+                 noise: Mapping | None = None) -> list[TapResult]:
     """Teacher-forced layer outputs against ``ref``: "added" (fed the goldens) or "emulation"
     (fed a dump's own outputs). Own expert choices are judged as sets with the golden margins;
-    ``exact.…`` outputs by ``exact_section``'s limits (``exact`` or ``exact_gpu``)."""
+    ``exact.…`` outputs by ``exact_section``'s limits (``exact`` or ``exact_gpu``). ``noise``
+    (the goldens): "added" limits widen to ``noise.added_factor`` × the reference's own
+    teacher-forced BF16 noise at each tap, where the goldens carry it (``golden.noise``)."""
     results = []
+    factor = tol.noise.get("added_factor", 0.0) if mode == "added" and noise is not None else 0.0
     for name, value in outputs.items():
         if name.startswith(NOISE):
             continue
@@ -79,7 +83,8 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
                                           as_tensor(margins(_margin_of(tap))), tol,
                                           outputs.get(NOISE + _margin_of(tap))))
         else:
-            results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode))
+            limits = widen(tol.limits(mode, name), noise, ADDED + name, factor) if factor else None
+            results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode, limits))
     return results
 
 

@@ -147,7 +147,7 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
     rep.results += inherited_checks(golden, cand, name, tol, routers=not out.routes_replayed)
     if out.layers is not None:
         rep.results += layer_checks(out.layers, out.layer_ref, name, tol, out.layer_mode, margins=golden.get,
-                                    exact_section=out.exact_section)
+                                    exact_section=out.exact_section, noise=golden)
     if "greedy_tokens" in cand and golden["greedy_tokens"].size:
         factor = tol.noise.get("factor", 0.0)
         rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
