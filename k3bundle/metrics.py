@@ -8,12 +8,15 @@ Families, as in Polygraphy's ``CompareFunc`` (style-anchors §5), one small func
   is below eps).
 
 NaN or Inf anywhere in a candidate makes every distance metric the worst value (NaN never
-passes); an all-zero reference makes NMSE relative to 1 instead of dividing by zero.
+passes); ``nonfinite`` counts them and finds the first, so that a report can say how many and
+where instead of only "inf". An all-zero reference makes NMSE relative to 1 instead of dividing
+by zero.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +29,38 @@ def _pair(ref: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """The NaN and Inf values of one tensor: counts, and the index of the first in row-major order."""
+
+    nan: int
+    inf: int
+    total: int
+    shape: tuple[int, ...]
+    first: tuple[int, ...] | None  # None when every value is finite
+
+    @property
+    def count(self) -> int:
+        return self.nan + self.inf
+
+
+def nonfinite(x: torch.Tensor) -> NonFinite:
+    """Count ``x``'s NaN and Inf values and locate the first (row-major)."""
+    x = x.detach()
+    if not x.is_floating_point():
+        return NonFinite(0, 0, x.numel(), tuple(x.shape), None)
+    nan, inf = torch.isnan(x), torch.isinf(x)
+    bad = (nan | inf).reshape(-1).nonzero()
+    first = None
+    if bad.numel():
+        flat, first = int(bad[0, 0]), []
+        for n in reversed(x.shape):
+            flat, i = divmod(flat, n)
+            first.append(i)
+        first = tuple(reversed(first))
+    return NonFinite(int(nan.sum()), int(inf.sum()), x.numel(), tuple(x.shape), first)
 
 
 def nmse(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -73,7 +108,11 @@ def kld(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def quantile(values: torch.Tensor, q: float) -> float:
     v = values.to(torch.float64).flatten()
-    return float(torch.quantile(v, q)) if v.numel() else 0.0
+    if not v.numel():
+        return 0.0
+    out = float(torch.quantile(v, q))
+    # interpolating between two infinite values gives NaN: the quantile of infinities is infinite
+    return math.inf if math.isnan(out) and not bool(v.isnan().any()) else out
 
 
 def topk_agreement(ref_logits: torch.Tensor, logits: torch.Tensor, k: int = 1) -> float:

@@ -86,6 +86,8 @@ def test_clean_bundle_passes(work, name, ranks):
     for f in ("signoff.json", "signoff.md", "signoff.html"):
         assert (work[name] / "reports" / f).is_file()
     assert "<svg" in (work[name] / "reports" / "signoff.html").read_text()
+    assert data["nonfinite"] == [] and "## Non-finite values\n\nnone: every compared value was finite on both " \
+        "sides" in (work[name] / "reports" / "signoff.md").read_text()
     # the built-in device reads every weight file: level sample re-hashes them all, and says so
     weights = sum(p.name.endswith(".safetensors") for p in (work[name] / "device_weights").rglob("*"))
     manifest = json.loads((work[name] / "manifest.json").read_text())
@@ -349,3 +351,30 @@ def test_added_limits_widen_with_the_goldens_own_teacher_forced_noise(work, tmp_
     _patch(b, _entry(b, 1, "layers.2.self_attn.dt_bias"), lambda t: -t)
     r, data = _validate(b)
     assert r.returncode == 1 and _first(data) == (2, "layers.2.mixer_out")
+
+
+def test_one_nan_weight_is_counted_and_placed_in_the_non_finite_section(work, tmp_path):
+    """One NaN in a KDA q_proj row: that head's q is NaN at every token, o_proj mixes every head
+    into every channel, so the layer's whole output is NaN from token 0, channel 0 on; the report
+    says so as counts and a place, and lists it under "Non-finite values"."""
+    b = _copy(work["tiny-tp2"], tmp_path)
+
+    def plant(t):
+        t = t.clone()
+        t.view(-1)[5] = float("nan")
+        return t
+    _patch(b, _entry(b, 0, "layers.2.self_attn.q_proj.weight"), plant)
+    r, data = _validate(b)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert _first(data) == (2, "layers.2.mixer_out")
+    found = [f for f in data["nonfinite"] if f["tap"] == "layers.2.mixer_out" and f["mode"] == "added"]
+    assert found, data["nonfinite"][:5]
+    f = found[0]
+    assert f["device"]["nan"] == f["total"] > 0 and f["golden"] == {"nan": 0, "inf": 0} and f["first"] == [0, 0]
+    assert f"layers.2.mixer_out: {f['total']:,} of {f['total']:,} values NaN (first: token 0, channel 0)" in f["text"]
+    ff = next(c for c in data["cases"] if c["status"] == "fail")["first_failure"]
+    assert "values NaN (first: token 0, channel 0)" in ff["line"]
+    md = (b / "reports" / "signoff.md").read_text()
+    assert "## Non-finite values" in md and "layers.2.mixer_out: " in md.split("## Non-finite values")[1]
+    assert "Non-finite values" in (b / "reports" / "signoff.html").read_text()
+

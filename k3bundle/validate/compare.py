@@ -9,6 +9,7 @@ judges every metric: ``golden.tolerances.METRICS`` says whether its limit is a m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class TapResult:
     limits: dict[str, float]
     passed: bool
     min_required: dict[str, float] = field(default_factory=dict)
+    nonfinite: dict | None = None  # NaN/Inf counts on each side where either has one (nonfinite_evidence)
 
     @property
     def layer(self) -> int | None:
@@ -42,7 +44,47 @@ class TapResult:
         lims = ", ".join(f"{k} {'>=' if METRICS[k] == 'min' else '<='} {_fmt(v)}"
                          for k, v in self.limits.items())
         status = "PASSED" if self.passed else "FAILED"
-        return f"{status} | {self.case} | {self.mode} | {self.tap} | {vals} | limits {lims}"
+        tap = self.tap if self.nonfinite is None else f"{self.tap}: {nonfinite_text(self.nonfinite)}"
+        return f"{status} | {self.case} | {self.mode} | {tap} | {vals} | limits {lims}"
+
+
+def nonfinite_evidence(ref: torch.Tensor, x: torch.Tensor, logits: bool = False) -> dict | None:
+    """NaN/Inf counts of the device's and the golden's values and where the device's first one
+    is, or None when both are finite. The first index reads as (token row, channel) for a
+    [tokens, channels] tap, (token row, vocab id) for logits; a token row is the index among the
+    tap's tapped positions (the prompt position itself where every position is tapped)."""
+    d, g = M.nonfinite(x), M.nonfinite(ref)
+    if not d.count and not g.count:
+        return None
+    where = None
+    if d.first is not None:
+        if len(d.first) == 2:
+            where = f"token {d.first[0]}, {'vocab id' if logits else 'channel'} {d.first[1]}"
+        elif len(d.first) == 1:
+            where = f"token {d.first[0]}"
+        else:
+            where = "index [" + ", ".join(map(str, d.first)) + "]"
+    return {"device": {"nan": d.nan, "inf": d.inf}, "golden": {"nan": g.nan, "inf": g.inf}, "total": d.total,
+            "first": None if d.first is None else list(d.first), "where": where}
+
+
+def nonfinite_text(nf: dict) -> str:
+    """``96 of 4,096 values NaN (first: token 0, channel 17)``, and the golden's own if any."""
+    d, g = nf["device"], nf["golden"]
+    kinds = [f"{n:,} {k}" for k, n in (("NaN", d["nan"]), ("Inf", d["inf"])) if n]
+    out = []
+    if kinds:
+        head = kinds[0].split(" ")
+        out.append(f"{head[0]} of {nf['total']:,} values {head[1]}" + "".join(f", {k}" for k in kinds[1:])
+                   + (f" (first: {nf['where']})" if nf.get("where") else ""))
+    if g["nan"] or g["inf"]:
+        out.append(f"the golden has {g['nan']:,} NaN and {g['inf']:,} Inf")
+    return "; ".join(out)
+
+
+def _finite_rule(nf: dict | None) -> bool:
+    """False when the device has a non-finite value the golden does not: never a pass."""
+    return nf is None or (nf["device"]["nan"] + nf["device"]["inf"]) <= (nf["golden"]["nan"] + nf["golden"]["inf"])
 
 
 def _fmt(v: float) -> str:
@@ -68,7 +110,8 @@ def compare_tensor(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol:
     limits = tol.limits(mode, tap) if limits is None else limits
     values = {"nmse": M.nmse(ref, x), "cosine": M.cosine(ref, x), "max_abs": M.max_abs(ref, x)}
     ok, need = judge(values, limits)
-    return TapResult(case, tap, mode, values, limits, ok, need)
+    nf = nonfinite_evidence(ref, x)
+    return TapResult(case, tap, mode, values, limits, ok and _finite_rule(nf), need, nf)
 
 
 def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
@@ -78,7 +121,8 @@ def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol:
               "top1": M.topk_agreement(ref, x, 1), "top5": M.topk_agreement(ref, x, min(5, ref.shape[-1]))}
     limits = dict(tol.logits) if limits is None else limits
     ok, need = judge(values, limits)
-    return TapResult(case, tap, "distribution", values, limits, ok, need)
+    nf = nonfinite_evidence(ref, x, logits=True)
+    return TapResult(case, tap, "distribution", values, limits, ok and _finite_rule(nf), need, nf)
 
 
 def compare_router(case: str, tap: str, ref_ids: torch.Tensor, ids: torch.Tensor,
@@ -106,13 +150,28 @@ class GreedyResult:
     passed: bool
     gap: float | None = None  # that gap
     margin: float | None = None  # the margin it was judged against
+    nonfinite_step: int | None = None  # the first step whose device logits had NaN/Inf: a token chosen over them
 
 
 def compare_greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances,
-                   margin_at: Callable[[int], float] | None = None) -> GreedyResult:
+                   margin_at: Callable[[int], float] | None = None,
+                   step_logits: torch.Tensor | None = None) -> GreedyResult:
     """Greedy agreement; a divergence passes at a near tie. ``margin_at(step)``: the near-tie
     margin at a step (default: the tolerance file's; validate widens it with the reference's
-    own BF16 logit noise, ``golden.noise.near_tie_margin``)."""
+    own BF16 logit noise, ``golden.noise.near_tie_margin``). ``step_logits``: the device's own
+    logits per step, where it has them: a token chosen over NaN/Inf logits never passes, even
+    when it happens to equal the golden one (an engine emitting token 0 over NaN logits)."""
+    if step_logits is not None and step_logits.is_floating_point():
+        bad = (~torch.isfinite(step_logits.reshape(step_logits.shape[0], -1))).any(-1).nonzero()
+        if bad.numel():
+            s = int(bad[0, 0])
+            res = _greedy(ref_tokens, tokens, ref_step_logits, tol, margin_at)
+            return dataclasses.replace(res, passed=False, nonfinite_step=s)
+    return _greedy(ref_tokens, tokens, ref_step_logits, tol, margin_at)
+
+
+def _greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances,
+            margin_at: Callable[[int], float] | None) -> GreedyResult:
     ref_tokens, tokens = list(map(int, ref_tokens)), list(map(int, tokens))
     n = min(len(ref_tokens), len(tokens))
     first = next((i for i in range(n) if ref_tokens[i] != tokens[i]), None)

@@ -280,6 +280,16 @@ def _case(rep, c, n: int, types, tokens: int | None) -> str:
     return "\n".join(p for p in parts if p)
 
 
+def _nonfinite(rep) -> str:
+    """The non-finite section: every tap or greedy step with NaN/Inf, or that there was none."""
+    found = rep.nonfinite()
+    if not found:
+        return "<h2>Non-finite values</h2><p class='muted'>none: every compared value was finite on both sides</p>"
+    items = "".join(f"<li><b>{esc(f['case'])}</b> ({esc(f['mode'])}): <code>{esc(f['text'])}</code></li>"
+                    for f in found)
+    return f"<h2>Non-finite values</h2><ul class='nonfinite'>{items}</ul>"
+
+
 def to_html(rep) -> str:
     """The sign-off page of ``rep`` (``validate.run.Report``)."""
     types = layer_types(rep.bundle)
@@ -302,6 +312,6 @@ def to_html(rep) -> str:
                   ("exact check", esc(rep.exact or "not run")),
                   ("bundle files", esc(rep.integrity or "not checked")),
                   ("report", f"k3bundle {esc(__version__)}, {rep.seconds:.1f} s")]),
-            "<h2>Cases</h2>", _summary(rep)]
+            "<h2>Cases</h2>", _summary(rep), _nonfinite(rep)]
     body += [_case(rep, c, n, types, tokens.get(c.name)) for c in rep.cases]
     return page(f"k3bundle sign-off: {verdict}", "\n".join(body))

@@ -28,7 +28,7 @@ def _clean(v):
 def _result(r) -> dict:
     return {"tap": r.tap, "layer": r.layer, "mode": r.mode, "passed": r.passed,
             "values": {k: _clean(v) for k, v in r.values.items()}, "limits": r.limits,
-            "min_required": {k: _clean(v) for k, v in r.min_required.items()}}
+            "min_required": {k: _clean(v) for k, v in r.min_required.items()}, "nonfinite": r.nonfinite}
 
 
 def to_json(rep) -> dict:
@@ -55,7 +55,8 @@ def to_json(rep) -> dict:
             "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
-            "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases}
+            "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases,
+            "nonfinite": rep.nonfinite()}
 
 
 def to_markdown(rep) -> str:
@@ -85,6 +86,12 @@ def to_markdown(rep) -> str:
         failed = sum(not r.passed for r in c.results)
         lines.append(f"| {c.name} | {c.kind} | {c.status.upper()} | {failed}/{len(c.results)} | {where} | "
                      f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) | {c.seconds:.1f} |")
+    lines += ["", "## Non-finite values", ""]
+    found = rep.nonfinite()
+    lines += [f"- {f['case']} ({f['mode']}): {f['text']}" for f in found[:40]] or \
+        ["none: every compared value was finite on both sides"]
+    if len(found) > 40:
+        lines.append(f"- … and {len(found) - 40} more (signoff.json has all)")
     for c in rep.cases:
         bad = [r for r in c.results if not r.passed]
         near = margins(c, rep.tolerances) if c.status != "not run" else []

@@ -22,7 +22,8 @@ from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
 from k3bundle.golden.tolerances import Tolerances, load_tolerances
-from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure
+from k3bundle.executor.taps import forward_key
+from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure, nonfinite_text
 from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
@@ -83,6 +84,20 @@ class Report:
     def exit_code(self) -> int:
         return 0 if self.passed else 1
 
+    def nonfinite(self) -> list[dict]:
+        """Every NaN/Inf finding, in case and forward order: a tap whose values (device or golden)
+        were not all finite, and a greedy step taken over non-finite device logits."""
+        out = []
+        for c in self.cases:
+            for r in sorted((r for r in c.results if r.nonfinite), key=lambda r: forward_key(r.tap)):
+                out.append({"case": c.name, "tap": r.tap, "mode": r.mode, **r.nonfinite,
+                            "text": f"{r.tap}: {nonfinite_text(r.nonfinite)}"})
+            if c.greedy is not None and c.greedy.nonfinite_step is not None:
+                s = c.greedy.nonfinite_step
+                out.append({"case": c.name, "tap": "greedy_tokens", "mode": "greedy", "step": s,
+                            "text": f"greedy step {s}: token chosen over non-finite logits"})
+        return out
+
 
 def load_goldens(validation: Path) -> tuple[dict, dict, dict, Tolerances]:
     for name in ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml"):
@@ -124,7 +139,9 @@ def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
     rep.first_failure = ff if ff is not None else first_failure(rep.results + drifted)
     rep.status = "pass" if ok else "fail"
     if not ok and rep.first_failure is None:
-        rep.reason = "greedy divergence before a near tie"
+        g = rep.greedy
+        rep.reason = (f"greedy step {g.nonfinite_step} chosen over non-finite logits"
+                      if g is not None and g.nonfinite_step is not None else "greedy divergence before a near tie")
     return rep
 
 
@@ -153,7 +170,8 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
         rep.greedy = compare_greedy(golden["greedy_tokens"], cand["greedy_tokens"].tolist(),
                                     as_tensor(golden["step_logits"]), tol,
                                     lambda step: near_tie_margin(tol.greedy.get("near_tie_margin", 0.0),
-                                                                 golden, step, factor))
+                                                                 golden, step, factor),
+                                    step_logits=cand.get("step_logits"))
     rep.drift = state_drift(golden, cand)
     rep.drift_limit = tol.state.get("drift_nmse", float("inf"))
     rep.drift_limits = drift_limits(golden, rep.drift, tol)
