@@ -2,7 +2,7 @@
 # Clean full-depth bundles (synth --preset full-depth: 93 layers, the release's 497,220 tensors)
 # through golden and validate, several seeds side by side: the false-alarm check of the added
 # limits at release depth (docs/validation.md "A clean false alarm at full depth").
-#   SEEDS="0 1 2 3 4" LAYOUT=b300-tp8 STEPS=2 JOBS=5 bash bench/full_depth_seeds.sh OUT
+#   SEEDS="0 1 2 3 4" CASES="greedy thinking" LAYOUT=b300-tp8 STEPS=2 JOBS=5 bash bench/full_depth_seeds.sh OUT
 # Each seed: synth -> convert LAYOUT -> golden (the greedy and thinking cases, STEPS decode steps) ->
 # validate --ranks merged --json. Prints one line per seed: exit code, checks, failures, the first
 # failure and the worst added NMSE against its (widened) limit; OUT/seed-S.json is the sign-off.
@@ -19,7 +19,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 K3="python3 -m k3bundle"
 mkdir -p "$OUT" "$WORK/cases"
-for c in greedy thinking; do sed "s/steps: 16/steps: $STEPS/" golden/cases/$c.yaml > "$WORK/cases/$c.yaml"; done
+for c in ${CASES:-greedy thinking}; do sed "s/steps: 16/steps: $STEPS/" golden/cases/$c.yaml > "$WORK/cases/$c.yaml"; done
 one() {
   local s=$1 d=$WORK/s$1; SECONDS=0; rm -rf "$d"
   { $K3 synth --preset full-depth --seed "$s" --out "$d/ckpt" --force \
