@@ -30,3 +30,20 @@ class CodecError(K3Error):
 
 class SynthError(K3Error):
     """A synthetic checkpoint cannot be written as asked."""
+
+
+class YamlFileError(K3Error):
+    """A YAML data file is unreadable or not plain data: not UTF-8, a key given twice, an anchor
+    used too often (an alias bomb), an explicit tag, a non-finite number (``k3bundle.io.strict_yaml``).
+    ``problem`` is the message without the file; ``key`` the dotted place in the document, if any."""
+
+    def __init__(self, file: str, problem: str, *, key: str | None = None):
+        super().__init__(f"{file}: {problem}")
+        self.file, self.problem, self.key = str(file), problem, key
+
+    def __reduce__(self):  # the keyword field survives a trip between processes
+        return _rebuild_yaml_error, (self.file, self.problem, self.key)
+
+
+def _rebuild_yaml_error(file: str, problem: str, key: str | None) -> YamlFileError:
+    return YamlFileError(file, problem, key=key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ from typing import Any
 import yaml
 
 from k3bundle.data_dirs import data_dirs
-from k3bundle.errors import K3Error
+from k3bundle.errors import K3Error, YamlFileError
 from k3bundle.formats import mxfp4
+from k3bundle.io.strict_yaml import read_yaml
 from k3bundle.schema.roles import ROLES, Role
 from k3bundle.storage import (AS_STORED, CONVENTIONS, ENTRY_POINT_GROUP, LAYOUT_NAMES, STORAGE, layout_format,
                               storage_for)
@@ -41,6 +43,15 @@ SCALE_LAYOUTS = ("row-major", "swizzled-128x4")
 EXPERT_PLACEMENTS = ("contiguous",)
 #: Dimensions whose per-rank size a layout may pad up to a multiple (zero rows / columns).
 PADDABLE_DIMS = ("V", "I", "S", "Ie")
+#: upper bounds of a layout's numbers, far above any card announced, so that a typo (or ``2^40``)
+#: is refused at parse time instead of exhausting memory in convert (docs/layouts.md "Fields")
+MAX_CARDS = 65536
+MAX_HBM_BYTES = 1 << 50  # 1 PiB per card
+MAX_BANDWIDTH = 1e15  # bytes/s, HBM or link: 1 PB/s
+MAX_FLOPS = 1e18  # FLOP/s per card and dtype: 1 EFLOP/s
+MAX_FILE_BYTES = 1 << 40  # 1 TiB per device file
+MAX_ALIGNMENT = 1 << 20  # 1 MiB: the data buffer of a device file starts at a multiple of it
+MAX_PAD_MULTIPLE = 65536
 PEAK_FLOPS_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp6", "fp4", "mxfp4", "nvfp4")
 
 
@@ -227,17 +238,18 @@ def _absent(key: str, where: str, p: _Problems, default: Any) -> Any:
     return default
 
 
-def _positive_int(d: dict, key: str, where: str, p: _Problems, default: Any = ...) -> int:
+def _positive_int(d: dict, key: str, where: str, p: _Problems, default: Any = ..., hi: int = 1 << 62) -> int:
     if key not in d:
         return _absent(key, where, p, default)
     v = d[key]
-    if not _is_int(v) or v <= 0:
-        p.add("layout-field", f"{where}.{key} must be a positive integer, got {v!r}")
+    if not _is_int(v) or not 0 < v <= hi:
+        p.add("layout-field", f"{where}.{key} must be a positive integer up to {hi:,}, got {v!r}")
         return 1
     return v
 
 
-def _number(d: dict, key: str, where: str, p: _Problems, default: Any = ..., allow_zero: bool = False) -> Any:
+def _number(d: dict, key: str, where: str, p: _Problems, hi: float, default: Any = ...,
+            allow_zero: bool = False) -> Any:
     if key not in d:
         return _absent(key, where, p, default)
     v = d[key]
@@ -245,9 +257,10 @@ def _number(d: dict, key: str, where: str, p: _Problems, default: Any = ..., all
         p.add("layout-field", f"{where}.{key} must be a number, got the string {v!r} "
                               "(YAML needs a sign in float exponents: write 8.0e+12, or 8_000_000_000_000)")
         return 1
-    if not _is_number(v) or v < 0 or (v == 0 and not allow_zero):
-        p.add("layout-field", f"{where}.{key} must be a {'non-negative' if allow_zero else 'positive'} "
-                              f"number, got {v!r}")
+    # a NaN passes every comparison below false and an Infinity is not JSON: both are refused
+    if not _is_number(v) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero) or v > hi:
+        p.add("layout-field", f"{where}.{key} must be a finite {'non-negative' if allow_zero else 'positive'} "
+                              f"number up to {hi:,.0f}, got {v!r}")
         return 1
     return int(v) if float(v).is_integer() else float(v)
 
@@ -264,11 +277,11 @@ def _card(data: Any, p: _Problems) -> Card:
     flops = _section(d.get("peak_flops"), "card.peak_flops", PEAK_FLOPS_KEYS, p)
     if not flops:
         p.add("layout-field", "card.peak_flops must give at least one dtype (e.g. bf16)")
-    peak = {k: _number(flops, k, "card.peak_flops", p) for k in flops if k in PEAK_FLOPS_KEYS}
-    return Card(name, _positive_int(d, "count", "card", p),
-                _number(d, "hbm_bytes", "card", p),
-                _number(d, "hbm_bandwidth_bytes_per_s", "card", p),
-                _number(d, "link_bandwidth_bytes_per_s", "card", p), peak)
+    peak = {k: _number(flops, k, "card.peak_flops", p, MAX_FLOPS) for k in flops if k in PEAK_FLOPS_KEYS}
+    return Card(name, _positive_int(d, "count", "card", p, hi=MAX_CARDS),
+                _number(d, "hbm_bytes", "card", p, MAX_HBM_BYTES),
+                _number(d, "hbm_bandwidth_bytes_per_s", "card", p, MAX_BANDWIDTH),
+                _number(d, "link_bandwidth_bytes_per_s", "card", p, MAX_BANDWIDTH), peak)
 
 
 def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
@@ -276,10 +289,10 @@ def _parallel(data: Any, card_count: int, p: _Problems) -> Parallel:
                                     "expert_placement"), p)
     if not d:
         p.add("layout-field", "required section parallel is missing")
-    tp = _positive_int(d, "tp", "parallel", p)
-    dp = _positive_int(d, "attention_dp", "parallel", p, 1)
-    ep = _positive_int(d, "ep", "parallel", p, 1)
-    pp = _positive_int(d, "pp", "parallel", p, 1)
+    tp = _positive_int(d, "tp", "parallel", p, hi=MAX_CARDS)
+    dp = _positive_int(d, "attention_dp", "parallel", p, 1, hi=MAX_CARDS)
+    ep = _positive_int(d, "ep", "parallel", p, 1, hi=MAX_CARDS)
+    pp = _positive_int(d, "pp", "parallel", p, 1, hi=MAX_CARDS)
     placement = d.get("expert_placement", "contiguous")
     if placement not in EXPERT_PLACEMENTS:
         p.add("expert-placement", f"parallel.expert_placement {placement!r} is not supported "
@@ -398,20 +411,21 @@ def parse_layout(data: Any, source: str = "layout") -> Layout:
         if dim not in PADDABLE_DIMS:
             p.add("padding-dim", f"padding.{dim}: only the per-rank sizes of {', '.join(PADDABLE_DIMS)} "
                                  "can be padded (heads cannot)")
-        elif not _is_int(mult) or mult <= 0:
-            p.add("padding-dim", f"padding.{dim} must be a positive integer multiple, got {mult!r}")
+        elif not _is_int(mult) or not 0 < mult <= MAX_PAD_MULTIPLE:
+            p.add("padding-dim", f"padding.{dim} must be a positive integer multiple up to {MAX_PAD_MULTIPLE:,}, "
+                                 f"got {mult!r}")
         else:
             pads[dim] = mult
     if "Ie" in pads and pads["Ie"] % mxfp4.BLOCK:
         p.add("padding-mxfp4-block", f"padding.Ie ({pads['Ie']}) must be a multiple of the MXFP4 block "
                                      f"({mxfp4.BLOCK}): routed experts are stored in 32-element blocks")
     files = _section(d.get("files"), "files", ("max_bytes", "data_alignment"), p)
-    max_bytes = _positive_int(files, "max_bytes", "files", p, 5_000_000_000)
-    align = _positive_int(files, "data_alignment", "files", p, 8)
+    max_bytes = _positive_int(files, "max_bytes", "files", p, 5_000_000_000, hi=MAX_FILE_BYTES)
+    align = _positive_int(files, "data_alignment", "files", p, 8, hi=MAX_ALIGNMENT)
     if align % 8 or align & (align - 1):
         p.add("layout-field", f"files.data_alignment ({align}) must be a power of two and a multiple of 8")
     memory = _section(d.get("memory"), "memory", ("runtime_reserve_bytes",), p)
-    reserve = _number(memory, "runtime_reserve_bytes", "memory", p, 0, allow_zero=True)
+    reserve = _number(memory, "runtime_reserve_bytes", "memory", p, MAX_HBM_BYTES, 0, allow_zero=True)
     if _is_number(reserve) and _is_number(card.hbm_bytes) and reserve >= card.hbm_bytes:
         p.add("layout-field", f"memory.runtime_reserve_bytes ({reserve}) must be below card.hbm_bytes "
                               f"({card.hbm_bytes})")
@@ -456,9 +470,9 @@ def load_layout(target: str) -> Layout:
     """Find, read and check a layout by name or path."""
     path = find_layout(target)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise LayoutError(f"{path}: not valid YAML: {e}", ["layout-field"]) from None
+        data = read_yaml(path)
+    except YamlFileError as e:
+        raise LayoutError(str(e), ["layout-field"]) from None
     layout = parse_layout(data, source=str(path))
     stem = path.name.rsplit(".", 1)[0]
     if not (target.endswith((".yaml", ".yml")) or "/" in target) and layout.name != stem:

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("synth", ("k3bundle", "errors", "config", "io", "formats", "schema", "tokenizer_specials", "presets")),
     ("pull", ("k3bundle", "errors", "io")),
     ("storage", ("errors", "config", "io", "formats", "schema")),
-    ("layouts", ("errors", "data_dirs", "formats", "schema", "storage")),
+    ("layouts", ("errors", "data_dirs", "io", "formats", "schema", "storage")),
     ("plan", BASE + ("presets", "storage", "layouts")),
     ("ops", ("errors",)),
     ("executor", ("k3bundle",) + BASE + ("storage", "ops")),

@@ -14,11 +14,11 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from k3bundle.chat import render_ids
 from k3bundle.data_dirs import data_dirs
+from k3bundle.errors import YamlFileError
 from k3bundle.golden.errors import CaseError
+from k3bundle.io.strict_yaml import read_yaml
 
 KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
 _KEYS = {"schema_version", "name", "kind", "description", "prompt", "messages", "tools", "render",
@@ -38,7 +38,7 @@ class TapPlan:
     def positions(self, length: int) -> list[int]:
         if self.all or length <= self.sample_positions + self.last_positions:
             return list(range(length))
-        step = length / self.sample_positions
+        step = length / max(1, self.sample_positions)
         picked = {int(i * step) for i in range(self.sample_positions)}
         picked |= set(range(length - self.last_positions, length))
         return sorted(picked)
@@ -74,7 +74,7 @@ class Case:
         if self.prompt is not None:
             return encoding.encode(self.prompt, disallowed_special=())
         if self.long_context is not None:
-            target = long_tokens or int(self.long_context["target_tokens"])
+            target = self.long_context["target_tokens"] if long_tokens is None else check_long_tokens(long_tokens)
             return _long_ids(self, encoding, target)
         return render_ids(self.messages, encoding, tools=self.tools, **self.render)
 
@@ -112,46 +112,99 @@ def _long_ids(case: Case, encoding, target: int) -> list[int]:
     return ids
 
 
+#: the most greedy steps a case may ask for: goldens keep every tap of every step, so this bounds
+#: them (the shipped cases use 8 to 16; a step of the release's model is ~0.5 GB of float32 taps)
+MAX_STEPS = 4096
+#: the most tokens a long-context case may build: the release's context (max_position_embeddings)
+MAX_TOKENS = 1 << 20
+#: positions a sampled tap plan may name (``sample_positions + last_positions``)
+MAX_TAPPED = 65536
+
+
 def _check(cond: bool, path: Path, msg: str) -> None:
     if not cond:
         raise CaseError(f"{path}: {msg}")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_in(data: dict, key: str, where: str, lo: int, hi: int, path: Path) -> int:
+    v = data.get(key)
+    _check(_is_int(v) and lo <= v <= hi, path, f"{where}{key} must be an integer from {lo} to {hi:,}, got {v!r}")
+    return v
+
+
+def _mapping(data: dict, key: str, path: Path, keys: set[str] | None = None) -> dict:
+    body = data.get(key) or {}
+    _check(isinstance(body, dict), path, f"{key} must be a mapping, got {body!r}")
+    unknown = sorted(set(body) - keys) if keys is not None else []
+    _check(not unknown, path, f"unknown key {key}.{unknown[0] if unknown else ''} (known: {', '.join(sorted(keys or ()))})")
+    return body
+
+
+def check_long_tokens(n: int) -> int:
+    """``--long-tokens``: the long-context case's length, within 1 .. ``MAX_TOKENS``."""
+    if not _is_int(n) or not 1 <= n <= MAX_TOKENS:
+        raise CaseError(f"--long-tokens must be an integer from 1 to {MAX_TOKENS:,} (the release's context), "
+                        f"got {n!r}")
+    return n
+
+
+def _tap_plan(data: dict, path: Path) -> TapPlan:
+    taps = data.get("taps", "all")
+    if taps == "all":
+        return TapPlan()
+    _check(isinstance(taps, dict) and bool(taps) and set(taps) <= {"sample_positions", "last_positions"}, path,
+           f"taps must be 'all' or {{sample_positions, last_positions}}, got {taps!r}")
+    sample = _int_in(taps, "sample_positions", "taps.", 0, MAX_TAPPED, path) if "sample_positions" in taps else 0
+    last = _int_in(taps, "last_positions", "taps.", 0, MAX_TAPPED, path) if "last_positions" in taps else 0
+    _check(0 < sample + last <= MAX_TAPPED, path, f"taps must name 1 to {MAX_TAPPED:,} positions, got "
+                                                  f"sample_positions {sample} + last_positions {last}")
+    return TapPlan(False, sample, last)
+
+
 def load_case(path: str | Path) -> Case:
+    """One case file, every field typed and range-checked (``CaseError`` naming the file and field)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise CaseError(f"{path}: cannot read case: {str(e).splitlines()[0]}") from None
+        data = read_yaml(path)
+    except YamlFileError as e:
+        raise CaseError(str(e)) from None
     _check(isinstance(data, dict), path, "a case file must be a YAML mapping")
     unknown = sorted(set(data) - _KEYS)
     _check(not unknown, path, f"unknown key {unknown[:1]} (known: {', '.join(sorted(_KEYS))})")
-    _check(data.get("schema_version") == 1, path, "schema_version must be 1")
+    _check(_is_int(data.get("schema_version")) and data["schema_version"] == 1, path, "schema_version must be 1")
     for key in ("name", "kind", "generate"):
         _check(key in data, path, f"required key {key!r} is missing")
+    _check(isinstance(data["name"], str) and data["name"].strip() != "", path,
+           f"name must be a non-empty string, got {data['name']!r}")
     _check(data["kind"] in KINDS, path, f"kind {data['kind']!r} is not one of {', '.join(KINDS)}")
+    _check(isinstance(data.get("description", ""), str), path, "description must be a string")
     sources = [k for k in ("prompt", "messages", "long_context") if k in data]
     _check(len(sources) == 1, path, "give exactly one of prompt, messages, long_context")
-    render = data.get("render") or {}
-    bad = sorted(set(render) - _RENDER_KEYS)
-    _check(not bad, path, f"unknown render option {bad[:1]}")
-    steps = (data["generate"] or {}).get("steps")
-    _check(isinstance(steps, int) and steps >= 0, path, "generate.steps must be a non-negative integer")
-    taps = data.get("taps", "all")
-    if taps == "all":
-        plan = TapPlan()
-    else:
-        _check(isinstance(taps, dict) and set(taps) <= {"sample_positions", "last_positions"}, path,
-               "taps must be 'all' or {sample_positions, last_positions}")
-        plan = TapPlan(False, int(taps.get("sample_positions", 0)), int(taps.get("last_positions", 0)))
+    _check(isinstance(data.get("prompt", ""), str), path, f"prompt must be a string, got {data.get('prompt')!r}")
+    for key in ("messages", "tools"):
+        v = data.get(key, [])
+        _check(isinstance(v, list) and all(isinstance(m, dict) for m in v), path,
+               f"{key} must be a list of mappings, got {v!r}")
+    requires = data.get("requires", [])
+    _check(isinstance(requires, list) and all(isinstance(r, str) for r in requires), path,
+           f"requires must be a list of feature names, got {requires!r}")
+    render = _mapping(data, "render", path, _RENDER_KEYS)
+    generate = _mapping(data, "generate", path, {"steps"})
+    steps = _int_in(generate, "steps", "generate.", 0, MAX_STEPS, path)
+    plan = _tap_plan(data, path)
     if "long_context" in data:
-        _check(isinstance(data["long_context"].get("target_tokens"), int), path,
-               "long_context.target_tokens must be an integer")
-    return Case(name=str(data["name"]), kind=data["kind"], description=data.get("description", ""),
+        long = _mapping(data, "long_context", path, {"target_tokens", "filler_seed", "question"})
+        _int_in(long, "target_tokens", "long_context.", 1, MAX_TOKENS, path)
+        _check(_is_int(long.get("filler_seed", 0)), path, "long_context.filler_seed must be an integer")
+        _check(isinstance(long.get("question", ""), str), path, "long_context.question must be a string")
+    return Case(name=data["name"], kind=data["kind"], description=data.get("description", ""),
                 steps=steps, taps=plan, source=str(path), render=render, prompt=data.get("prompt"),
                 messages=data.get("messages"), tools=data.get("tools"),
-                long_context=data.get("long_context"), requires=tuple(data.get("requires", ())),
-                raw=data)
+                long_context=data.get("long_context"), requires=tuple(requires), raw=data)
 
 
 def default_cases_dir() -> Path:

@@ -28,11 +28,11 @@ from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.case import case_steps, replay_args, run_case, run_cases
 from k3bundle.executor.model import drive_lockstep
 from k3bundle.executor.kda import CHUNK
-from k3bundle.golden.cases import Case, load_cases
+from k3bundle.golden.cases import Case, check_long_tokens, load_cases
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
-from k3bundle.golden.tolerances import tolerance_path
+from k3bundle.golden.tolerances import load_tolerances, tolerance_path
 from k3bundle.io.files import sha256_file, write_atomic
 from k3bundle.tokenizer import load_tiktoken
 
@@ -193,7 +193,10 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cases = load_cases(cases_dir)
+    if long_tokens is not None:
+        check_long_tokens(long_tokens)
     tol_file = tolerance_path(tolerance)
+    load_tolerances(tol_file)  # the file the goldens will carry is checked before any work
     encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
     if (source / "manifest.json").is_file():  # a bundle: its device weights, every rank merged
         from k3bundle.bundle.weights import BundleWeights

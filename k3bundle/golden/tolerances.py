@@ -28,11 +28,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from k3bundle.data_dirs import data_dirs
+from k3bundle.errors import YamlFileError
 from k3bundle.executor.taps import JUDGED_KINDS, tap_kind
 from k3bundle.golden.errors import ToleranceError
+from k3bundle.io.strict_yaml import read_yaml
 
 #: every metric a limit can be set on, and whether the limit is its "max" or its "min"
 METRICS = {
@@ -41,6 +41,11 @@ METRICS = {
     "expert_set": "min",  # indices (router)
     "drift_nmse": "max",  # a decode state's NMSE per step (state section)
 }
+#: the values a metric can take, so a limit outside them (cosine -5, top1 7.0, nmse -1) is refused:
+#: such a limit would pass or fail every run whatever it measured
+METRIC_RANGE = {"cosine": (-1.0, 1.0), "top1": (0.0, 1.0), "top5": (0.0, 1.0), "expert_set": (0.0, 1.0)}
+#: every other number in a tolerance file (errors, divergences, margins, factors) is >= 0
+NON_NEGATIVE = (0.0, math.inf)
 TENSOR_METRICS = ("nmse", "cosine", "max_abs")
 SECTIONS = {
     "added": None, "inherited": None, "emulation": None, "exact": None, "exact_gpu": None,
@@ -95,19 +100,24 @@ def tolerance_path(name: str) -> Path:
 
 
 def _num(v, where: str, path: str) -> float:
+    """A limit: a finite number within its metric's range (the metric is the last part of ``where``)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ToleranceError(f"{path}: {where} must be a number, got {v!r}")
     if not math.isfinite(v):  # a NaN limit makes every comparison false: a gate that never closes
         raise ToleranceError(f"{path}: {where} must be a finite number, got {v!r}")
+    lo, hi = METRIC_RANGE.get(where.rsplit(".", 1)[-1].rsplit("/", 1)[-1], NON_NEGATIVE)
+    if not lo <= v <= hi:
+        span = f"from {lo:g} to {hi:g}" if math.isfinite(hi) else f">= {lo:g}"
+        raise ToleranceError(f"{path}: {where} must be {span}, got {v!r}")
     return float(v)
 
 
 def load_tolerances(path: str | Path) -> Tolerances:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise ToleranceError(f"{path}: cannot read: {str(e).splitlines()[0]}") from None
+        data = read_yaml(path)
+    except YamlFileError as e:
+        raise ToleranceError(str(e)) from None
     if not isinstance(data, dict) or data.get("schema_version") != 1:
         raise ToleranceError(f"{path}: must be a mapping with schema_version: 1")
     unknown = sorted(set(data) - set(SECTIONS) - {"schema_version", "format", "description", "calibration"})

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import yaml
 
 from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
 from k3bundle.executor.kda import CHUNK
+from k3bundle.io.strict_yaml import read_yaml
 from k3bundle.ops.expert_weight import ExpertWeight
 from k3bundle.formats import mxfp4
 
@@ -27,7 +27,7 @@ def load_cases() -> dict[str, dict[str, dict]]:
     for d in data_dirs("golden"):
         p = d / CASES_FILE
         if p.is_file():
-            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+            doc = read_yaml(p)
             return {k: v for k, v in doc.items() if k != "schema_version"}
     raise K3Error(f"no golden/{CASES_FILE} found beside the package")
 

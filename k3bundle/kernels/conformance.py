@@ -21,10 +21,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import yaml
 
 from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error
+from k3bundle.io.strict_yaml import read_yaml
 from k3bundle.kernels import reference
 from k3bundle.ops.contract import OP_CONTRACTS, Backend
 from k3bundle.kernels.cases import Case, Sizes, load_cases, make_case, upcast
@@ -89,7 +89,7 @@ def load_tolerances() -> dict:
     for d in data_dirs("tolerances"):
         p = d / TOLERANCES_FILE
         if p.is_file():
-            return yaml.safe_load(p.read_text(encoding="utf-8"))
+            return read_yaml(p)
     raise K3Error(f"no tolerances/{TOLERANCES_FILE} found beside the package")
 
 

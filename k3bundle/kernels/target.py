@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from k3bundle.bundle.graph import graph_manifest
 from k3bundle.checklist.kernels import _dims
 from k3bundle.config import K3Config, load_config, release_config_path
 from k3bundle.data_dirs import data_dirs
+from k3bundle.io.strict_yaml import read_yaml
 from k3bundle.layouts import load_layout
 from k3bundle.plan import make_plan
 
@@ -36,7 +36,7 @@ def device_card(device: str) -> dict | None:
     name = torch.cuda.get_device_name(dev).upper()
     for d in data_dirs("layouts"):
         for p in sorted(d.glob("*.yaml")):
-            card = (yaml.safe_load(p.read_text(encoding="utf-8")) or {}).get("card") or {}
+            card = (read_yaml(p) or {}).get("card") or {}
             words = [w for w in str(card.get("name", "")).upper().replace("(", " ").split() if any(ch.isdigit() for ch in w)]
             if words and words[0] in name and card.get("peak_flops", {}).get("bf16"):
                 return card
