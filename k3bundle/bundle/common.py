@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
+from k3bundle.io.files import relpath_problem
 
 
 def json_bytes(doc: dict) -> bytes:
@@ -27,3 +28,13 @@ def read_json(path: str | Path, kind: str, version: int) -> dict:
     if doc.get("schema_version") != version:
         raise BundleError(f"{path}: schema_version {doc.get('schema_version')!r}; this k3bundle reads {version}")
     return doc
+
+
+def check_relpath(name: object, where: str) -> None:
+    """Refuse a file name read from a bundle file unless it is a normalised relative path inside
+    the bundle (``io.files.relpath_problem``, the rule pull applies to a checkpoint's names): an
+    index or manifest edited to name ``../other/model.safetensors`` must not make verify, golden
+    or validate read another folder's weights."""
+    why = relpath_problem(name)
+    if why:
+        raise BundleError(f"{where} names {name!r}: {why}; a bundle's files are relative paths inside it")

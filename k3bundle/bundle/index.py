@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from k3bundle.bundle.common import read_json
+from k3bundle.bundle.common import check_relpath, read_json
 from k3bundle.bundle.errors import BundleError
 from k3bundle.storage import StorageFormat, stored_format
 
@@ -36,6 +36,16 @@ def read_index(path: str | Path) -> dict:
     doc = read_json(path, INDEX_KIND, INDEX_SCHEMA_VERSION)
     if not isinstance(doc.get("tensors"), list):
         raise BundleError(f"{path}: 'tensors' is missing or not a list")
+    checked: set[str] = set()  # a few hundred distinct names among up to ~500,000 entries
+    for i, e in enumerate(doc["tensors"]):
+        if not isinstance(e, dict):
+            raise BundleError(f"{path}: tensors[{i}] is not an object")
+        source = e.get("source") if isinstance(e.get("source"), dict) else {}
+        names = (("file", e.get("file")),) + ((("source.file", source["file"]),) if "file" in source else ())
+        for field, name in names:
+            if not (isinstance(name, str) and name in checked):
+                check_relpath(name, f"{path}: tensors[{i}].{field}")
+                checked.add(name)
     return doc
 
 
@@ -90,6 +100,7 @@ def lookup(path: str | Path, rank: int, key: str) -> tuple[dict, dict]:
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     break  # not one entry per line after all: parse the whole file
                 if e.get("rank") == rank and e.get("key") == key:
+                    check_relpath(e.get("file"), f"{path}: the entry of {key!r} on rank {rank}: file")
                     return head, e
                 at = data.find(needle, end if end >= 0 else len(data))
     index = read_index(path)

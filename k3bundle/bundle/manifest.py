@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3bundle.bundle.common import read_json
+from k3bundle.bundle.common import check_relpath, read_json
 from k3bundle.bundle.errors import BundleError
 
 MANIFEST_NAME = "manifest.json"
@@ -31,6 +31,10 @@ def read_manifest(bundle: str | Path) -> dict:
     doc = read_json(path, MANIFEST_KIND, MANIFEST_SCHEMA_VERSION)
     if not isinstance(doc.get("files"), list):
         raise BundleError(f"{path}: 'files' is missing or not a list")
+    source_files = (doc.get("source") or {}).get("files") or []
+    for table, rows in (("files", doc["files"]), ("source.files", source_files)):
+        for i, f in enumerate(rows):
+            check_relpath(f.get("path") if isinstance(f, dict) else None, f"{path}: {table}[{i}].path")
     return doc
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator
@@ -108,6 +109,31 @@ def link_in_path(root: str | os.PathLike, rel: str | os.PathLike) -> Path | None
         if not p.exists():
             return None
     return None
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def relpath_problem(name: object) -> str:
+    """Why ``name`` is not a normalised relative POSIX path, or '' when it is one.
+
+    The one rule for a file name read from a file (a repo's listing, a checkpoint index's
+    ``weight_map``, every ``file`` of a bundle's index and manifest): ordinary components joined
+    by ``/``, so that joined to the folder it is relative to, it names a file inside that folder."""
+    if not isinstance(name, str) or name == "":
+        return "empty file name" if name == "" else "not a string"
+    if "\x00" in name:
+        return "NUL byte in the name"
+    if "\\" in name:
+        return "backslash in the name (could be a Windows path separator)"
+    if name.startswith("/") or _DRIVE.match(name):
+        return "absolute path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "'..' component escapes the output directory"
+    if any(p in ("", ".") for p in parts):
+        return "empty or '.' path component"
+    return ""
 
 
 class NotRegularFile(OSError):

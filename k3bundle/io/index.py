@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping, Union
 
 from k3bundle.errors import SafetensorsError
-from k3bundle.io.files import file_kind, open_regular, write_atomic
+from k3bundle.io.files import file_kind, open_regular, relpath_problem, write_atomic
 from k3bundle.io.reader import SafetensorsHeader, read_header
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -71,11 +71,12 @@ def check_shard_name(name: object) -> str:
     Returns:
         `str`: the reason, empty when the name is fine.
     """
-    if not isinstance(name, str) or not name:
-        return "is not a non-empty string"
-    if "/" in name or "\\" in name:
+    why = relpath_problem(name)
+    if why:
+        return why
+    if "/" in name:
         return "contains a path separator"
-    if name in (".", "..") or os.path.isabs(name) or ":" in name or "\0" in name:
+    if ":" in name:
         return "is not a plain file name"
     return ""
 

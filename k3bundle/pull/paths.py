@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from k3bundle.io.files import relpath_problem
 from k3bundle.pull.errors import PullError
 
 SOURCE_JSON = "source.json"
@@ -23,26 +23,11 @@ PART_SUFFIX = ".part"
 BAD_SUFFIX = ".bad"
 RESERVED = (SOURCE_JSON, STATE_FILE)
 
-_DRIVE = re.compile(r"^[A-Za-z]:")
-
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it is a safe relative POSIX path, else raise a one-line PullError."""
-    why = None
-    if not isinstance(name, str) or name == "":
-        why = "empty file name"
-    elif "\x00" in name:
-        why = "NUL byte in the name"
-    elif "\\" in name:
-        why = "backslash in the name (could be a Windows path separator)"
-    elif name.startswith("/") or _DRIVE.match(name):
-        why = "absolute path"
-    else:
-        parts = name.split("/")
-        if any(p == ".." for p in parts):
-            why = "'..' component escapes the output directory"
-        elif any(p in ("", ".") for p in parts):
-            why = "empty or '.' path component"
+    """Return ``name`` if it is a safe relative POSIX path (``io.files.relpath_problem``), else raise
+    a one-line PullError."""
+    why = relpath_problem(name)
     if why:
         raise PullError(f"{name!r}: refusing this file name: {why}")
     return name
