@@ -18,6 +18,7 @@ import tiktoken
 
 from k3bundle import tokenizer_specials as ts
 from k3bundle.errors import K3Error
+from k3bundle.io.files import open_regular
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -40,8 +41,9 @@ def read_mergeable_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
     line.
     """
     p = Path(path)
-    try:
-        data = p.read_bytes()
+    try:  # a regular file only: a FIFO in its place would hang the read
+        with os.fdopen(open_regular(p), "rb") as f:
+            data = f.read()
     except OSError as e:
         raise TokenizerError(f"{p}: cannot read: {e.strerror or e}") from None
     lines = data.split(b"\n")

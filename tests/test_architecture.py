@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("io", ("errors",)),
     ("formats", ("errors",)),
     ("tokenizer_specials", ("errors",)),
-    ("tokenizer", ("k3bundle", "errors", "tokenizer_specials")),
+    ("tokenizer", ("k3bundle", "errors", "io", "tokenizer_specials")),
     ("chat", ("k3bundle", "errors", "tokenizer_specials")),
     ("schema", ("errors", "config")),
     ("source", ("errors", "config", "io", "schema")),

@@ -152,6 +152,27 @@ def test_workers_die_with_their_parent(tiny_ckpt, tmp_path, reference, sig):
     assert file_hashes(out) == reference
 
 
+@pytest.mark.parametrize("nofile", [12, 16])
+def test_workers_out_of_file_descriptors_end_the_run_in_one_line(tiny_ckpt, tmp_path, reference, nofile):
+    """``ulimit -n 16`` and ``--workers 2``: EMFILE while the pool starts its workers or while they
+    write; the run ends (no hang), one line, exit 2, the lock released, and a rerun resumes."""
+    import resource
+
+    out = tmp_path / "out"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    r = subprocess.run([sys.executable, "-m", "k3bundle", "convert", str(tiny_ckpt), "--target", LAYOUT, "--out",
+                        str(out), "--workers", "2"], env=ENV, capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    assert "Too many open files" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert not (out / "manifest.json").exists()
+    convert(tiny_ckpt, LAYOUT, out, workers=2)  # not refused: the lock was released
+    assert file_hashes(out) == reference
+
+
 def test_force_removes_only_what_the_bundle_lists(tiny_ckpt, tmp_path, tmp_path_factory, reference):
     out = tmp_path / "out"
     shutil.copytree(bundle_for(LAYOUT, tiny_ckpt, tmp_path_factory), out)

@@ -22,6 +22,7 @@ version only: not on the worker count, the order units finish in, the time or th
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import json
@@ -215,10 +216,16 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """End the workers now rather than wait for their units (``shutdown`` alone waits)."""
-    for p in list((getattr(pool, "_processes", None) or {}).values()):
-        p.terminate()
+    """End the workers now rather than wait for their units (``shutdown`` alone waits), and wait
+    until they are gone: the interpreter's exit joins every child, so one left blocked on the
+    pool's queue would hang the run holding the lock. A worker the pool was starting when it failed
+    (EMFILE while forking) may be missing from its table: every child of this run is ended."""
     pool.shutdown(wait=False, cancel_futures=True)
+    workers = {*(getattr(pool, "_processes", None) or {}).values(), *multiprocessing.active_children()}
+    for p in workers:
+        p.kill()  # a unit's temp files are the parent's to remove (``_remove_temps``), after this
+    for p in workers:
+        p.join(timeout=10)
 
 
 def worker_init(plan: Plan) -> None:
@@ -226,6 +233,9 @@ def worker_init(plan: Plan) -> None:
 
     global _PLAN
     _PLAN = plan
+    # the parent's SIGTERM handler came with the fork: a worker ended by ``_stop_workers`` must just
+    # end, not raise inside the pool's own code (which can leave its queue locked and the parent waiting)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     torch.set_num_threads(1)  # an OpenMP pool inherited through fork must never be entered
 
@@ -233,6 +243,21 @@ def worker_init(plan: Plan) -> None:
 def convert_shard(shard: str, expected: str | None, source: Path, out: Path) -> UnitResult:
     """Worker task: plan this source file's unit here (in parallel), then convert it."""
     return run_unit(build_unit(_PLAN, shard, expected), source, out)
+
+
+def _worker_failure(e: BaseException) -> BaseException:
+    """What a failure of the worker pool is reported as: one line (a ``ConvertError``) for every
+    failure but an interrupt, so that the run ends, the lock is released and a rerun resumes."""
+    if isinstance(e, (ConvertError, KeyboardInterrupt, SystemExit)):
+        return e
+    if isinstance(e, BrokenProcessPool):
+        return ConvertError("a conversion worker process died (killed, or out of memory); rerun to resume")
+    if isinstance(e, OSError):  # e.g. EMFILE: starting a worker takes pipes
+        return ConvertError(f"the conversion workers failed: {e.strerror or e}"
+                            + (" (raise `ulimit -n`, or use --workers 1)" if e.errno == errno.EMFILE else "")
+                            + "; finished files are kept: rerun the same command to resume")
+    return ConvertError(f"a conversion worker failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+                        "finished files are kept: rerun the same command to resume")
 
 
 def _run_units(plan: Plan, shards: list[str], files: SourceFiles, source: Path, out: Path, workers: int,
@@ -248,29 +273,30 @@ def _run_units(plan: Plan, shards: list[str], files: SourceFiles, source: Path, 
     ctx = multiprocessing.get_context("fork")
     pending = set()
     todo = iter(shards)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=worker_init,
-                             initargs=(plan,)) as pool:
-        try:
-            while True:
-                while len(pending) < 2 * workers:
-                    shard = next(todo, None)
-                    if shard is None:
-                        break
-                    pending.add(pool.submit(convert_shard, shard, files.expected_sha256(shard), source, out))
-                if not pending:
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=worker_init, initargs=(plan,))
+    except OSError as e:  # EMFILE: the pool's own locks and pipes
+        raise _worker_failure(e) from None
+    try:
+        while True:
+            while len(pending) < 2 * workers:
+                shard = next(todo, None)
+                if shard is None:
                     break
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    r = fut.result()
-                    journal.record(r)
-                    on_done(r)
-        except BrokenProcessPool:
-            raise ConvertError("a conversion worker process died (killed, or out of memory); rerun to resume") from None
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            _stop_workers(pool)
-            raise
+                pending.add(pool.submit(convert_shard, shard, files.expected_sha256(shard), source, out))
+            if not pending:
+                break
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                r = fut.result()
+                journal.record(r)
+                on_done(r)
+    except BaseException as e:
+        for fut in pending:
+            fut.cancel()
+        _stop_workers(pool)
+        raise _worker_failure(e) from None
+    pool.shutdown(wait=True)
 
 
 def convert(source: str | Path, target: str, out: str | Path, workers: int = 1, force: bool = False,
