@@ -24,8 +24,9 @@ import torch
 
 from k3bundle.executor import Executor
 from k3bundle.executor.case import replay_case
+from k3bundle.executor.taps import tap_kind
 from k3bundle.golden.store import as_tensor
-from k3bundle.validate.dumps import read_dump
+from k3bundle.validate.dumps import check_dumps, read_dump
 
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
 EXACT_POLICY = "float32"  # ... and, for the exact check, runs in the goldens' precision
@@ -91,6 +92,10 @@ class Device(ABC):
 
     def prepare(self, validation: Path, cases: list[str]) -> None:
         """Called once before the cases (a distributed device runs every rank here)."""
+
+    def check(self, goldens: dict[str, dict]) -> None:
+        """Called once before the cases with each case's golden arrays: bad input the device
+        can see up front is raised here, all of it at once (a dump's problems)."""
 
     @abstractmethod
     def case(self, name: str, golden: dict, ids: np.ndarray) -> CaseOutput: ...
@@ -158,25 +163,43 @@ class Dumps(Device):
         self.weights_for = weights_for
         self.reference: dict[str, object] = {}  # emulation weights per dtype policy, made on demand
 
+    def check(self, goldens):
+        check_dumps(self.directory, goldens, self.vocab, self.experts)
+
     def case(self, name, golden, ids):
         cand = read_dump(self.directory, name, golden, self.vocab, self.experts)
         if not full_positions(golden, ids):
             return CaseOutput(cand, None, "emulation", golden.get, False,
                               "sampled positions: emulation layer checks need every position")
         feed = {**cand, "embed": as_tensor(golden["embed"])}
-        layers = self._emulate("float32", feed)
+        routes = golden_routes(golden)
+        layers = self._emulate("float32", feed, routes)
         if cand["logits"].dtype == torch.bfloat16:
             # a BF16 dump may come from BF16 arithmetic or from FP32 arithmetic stored in BF16:
             # emulate both and judge each output against the closer (a fault is far from both)
-            in_bf16 = self._emulate("bfloat16", feed)
+            in_bf16 = self._emulate("bfloat16", feed, routes)
             stored = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in layers.items()}
             layers = {k: _closer(feed.get(_tap_of(k)), in_bf16[k], stored[k]) for k in in_bf16}
         return CaseOutput(cand, layers, "emulation", feed.get, False)
 
-    def _emulate(self, dtype: str, feed: dict) -> dict[str, torch.Tensor]:
+    def _emulate(self, dtype: str, feed: dict, routes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if dtype not in self.reference:
             self.reference[dtype] = self.weights_for(dtype)
-        return Executor(self.reference[dtype]).teacher_forced(feed.get)
+        return Executor(self.reference[dtype], forced_routes=routes).teacher_forced(feed.get)
+
+
+def golden_routes(golden: dict) -> dict[str, torch.Tensor]:
+    """The goldens' expert choices at every prompt position, which the emulation replays in each
+    MoE layer whose ``router_ids`` the dump lacks (a dumped ``router_ids`` is replayed instead).
+
+    Without the device's own choice, re-routing on the dump's rounded values flips near ties
+    that the device itself need not have flipped: one flipped expert moves a correct
+    ``ffn_out`` by far more than the emulation limit, and the first failure lands on that
+    layer instead of a real fault downstream. The goldens' choice is the one the reference
+    made on unrounded inputs; a runtime whose own choice may differ at a near tie dumps
+    ``router_ids`` (then its choice is replayed and the router check judges it)."""
+    return {k: as_tensor(v).long() for k, v in golden.items()
+            if k.startswith("layers.") and tap_kind(k) == "router_ids"}
 
 
 def _tap_of(name: str) -> str:

@@ -6,8 +6,9 @@ golden position (``CASE/positions`` in the goldens, in that order), plus optiona
 ``greedy_tokens`` (I64 [steps]) and ``step_logits`` ([steps, V]). Required per case:
 ``logits``, ``final_hidden`` and, for every layer, ``layers.{l}.mixer_out`` and
 ``layers.{l}.ffn_out``; every other golden tap is optional. A tap that is present must have the
-golden's shape and only finite values. Problems are collected and reported in one
-``DumpError`` (exit 2), naming the file and tensor. Which taps are required is the tap
+golden's shape and only finite values. Every problem of every case file is collected before
+any case is judged and reported in one ``DumpError`` (exit 2), one line each naming the file
+and tensor. Which taps are required is the tap
 grammar's word (``executor.taps.TAPS``, ``in_dump``).
 """
 
@@ -57,17 +58,14 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], vocab: int | None = None,
-              experts: int | None = None) -> dict[str, torch.Tensor]:
-    """Load and check ``DIR/CASE.safetensors`` against the case's golden arrays: names, shapes,
-    dtypes and id ranges (``vocab`` for greedy tokens, ``experts`` for router ids)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise DumpError(f"{directory}: --dumps must be a folder of CASE.safetensors files, "
-                        f"and this is {'a file' if directory.exists() else 'missing'}")
-    path = directory / f"{case}.safetensors"
+def check_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], vocab: int | None = None,
+               experts: int | None = None) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """``DIR/CASE.safetensors`` checked against the case's golden arrays — names, shapes, dtypes
+    and id ranges (``vocab`` for greedy tokens, ``experts`` for router ids): (every problem, one
+    line each naming the file and tensor; the tensors that passed)."""
+    path = Path(directory) / f"{case}.safetensors"
     if not path.exists():
-        raise DumpError(f"{path}: missing dump for case {case!r}")
+        return [f"{path}: missing dump for case {case!r}"], {}
     problems: list[str] = []
     out: dict[str, torch.Tensor] = {}
     with SafetensorsFile(path) as f:
@@ -89,7 +87,39 @@ def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], v
                 problems.append(bad)
                 continue
             out[name] = t
+    return [f"{path}: {p}" for p in problems], out
+
+
+def _check_folder(directory: Path) -> None:
+    if not directory.is_dir():
+        raise DumpError(f"{directory}: --dumps must be a folder of CASE.safetensors files, "
+                        f"and this is {'a file' if directory.exists() else 'missing'}")
+
+
+def _raise(directory: Path, problems: list[str]) -> None:
+    """One problem: one line. Several: a count, then each on its own line (nothing is judged)."""
+    if len(problems) == 1:
+        raise DumpError(problems[0])
     if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DumpError(f"{path}: {problems[0]}{more}")
+        raise DumpError(f"{directory}: {len(problems)} problems in the dumps, nothing judged:\n"
+                        + "\n".join(problems))
+
+
+def check_dumps(directory: str | Path, goldens: dict[str, dict[str, np.ndarray]], vocab: int | None = None,
+                experts: int | None = None) -> None:
+    """Every case's dump checked before any case is judged, so that every problem of every
+    file is reported at once (``DumpError``, one line each)."""
+    directory = Path(directory)
+    _check_folder(directory)
+    _raise(directory, [p for case, golden in goldens.items()
+                       for p in check_dump(directory, case, golden, vocab, experts)[0]])
+
+
+def read_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], vocab: int | None = None,
+              experts: int | None = None) -> dict[str, torch.Tensor]:
+    """The checked taps of ``DIR/CASE.safetensors`` (``check_dump``); any problem: ``DumpError``."""
+    directory = Path(directory)
+    _check_folder(directory)
+    problems, out = check_dump(directory, case, golden, vocab, experts)
+    _raise(directory, problems)
     return out

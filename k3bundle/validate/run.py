@@ -10,7 +10,7 @@ taps and its teacher-forced layer outputs. ``validate()`` only loops over the ca
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,9 +201,22 @@ def check_integrity(bundle: Path, level: str, seed: int, reads_weights: bool) ->
     return r.coverage, []
 
 
+def select_cases(listed: list[dict], names: Sequence[str] | None) -> list[dict]:
+    """The goldens' case entries to judge: all of them, or those ``names`` picks (in the
+    goldens' order); an unknown name is bad input that lists the known ones."""
+    if not names:
+        return listed
+    known = [e["name"] for e in listed]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValidateError(f"--cases: unknown case{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(map(repr, unknown))}; the goldens have {', '.join(known)}")
+    return [e for e in listed if e["name"] in names]
+
+
 def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
              progress: Callable[[int, int, str], None] | None = None, verify_level: str = "sample",
-             verify_seed: int = 0) -> Report:
+             verify_seed: int = 0, cases: Sequence[str] | None = None) -> Report:
     """Judge ``device`` (``validate.sources.open_device``) against the goldens of ``bundle``.
 
     Args:
@@ -212,6 +225,8 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
         validation (`Path`, optional): another goldens directory.
         verify_level (`str`): how the bundle's files are checked against its manifest first
             (``check.verify.LEVELS``; ``check_integrity``).
+        cases (`list[str]`, optional): judge only these golden cases (the others are reported
+            "not run: not selected"); a dump directory then needs only their files.
     """
     t0 = time.time()
     bundle = Path(bundle)
@@ -219,11 +234,17 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     vdir = Path(validation) if validation else bundle / "validation"
     inputs, inter, meta, tol = load_goldens(vdir)
     listed = meta.get("cases", [])
-    device.prepare(vdir, [e["name"] for e in listed if e.get("status") == "ok"])
+    chosen = {e["name"] for e in select_cases(listed, cases)}
+    ran = [e["name"] for e in listed if e.get("status") == "ok" and e["name"] in chosen]
+    device.prepare(vdir, ran)
+    device.check({n: _case_arrays(inter, n) for n in ran})
     cases = []
     for i, entry in enumerate(listed):
         if progress:
             progress(i, len(listed), entry["name"])
+        if entry["name"] not in chosen:
+            cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", "not selected (--cases)"))
+            continue
         if entry.get("status") != "ok":
             cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
             continue
