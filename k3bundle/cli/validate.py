@@ -30,7 +30,7 @@ def validate(
     ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
     rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
-    cases: Annotated[list[str] | None, typer.Option("--cases", help="Judge only these golden cases (comma-separated or repeated: --cases greedy,tool_call); the others are reported 'not run', and a --dumps folder needs only their files.")] = None,
+    cases: Annotated[list[str] | None, typer.Option("--cases", metavar="NAME[,NAME...]", help="Judge only these golden cases (comma-separated or repeated: --cases greedy,tool_call); the others are reported 'not run', and a --dumps folder needs only their files.")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports).")] = None,
     verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
     verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
