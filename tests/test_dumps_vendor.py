@@ -136,7 +136,8 @@ def test_cases_judges_a_subset_and_a_dump_of_one_case_is_enough(ckpt, tmp_path):
 
 
 def test_an_unknown_case_is_one_line_naming_the_known_ones(ckpt, tmp_path):
-    r = run_cli("validate", str(ckpt), "--dumps", str(tmp_path), "--cases", "greedy,gredy", "--out", str(tmp_path / "r"))
+    r = run_cli("validate", str(ckpt), "--dumps", str(tmp_path), "--cases", "greedy,gredy",
+                "--out", str(tmp_path / "r"))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "'gredy'" in lines[0] and all(c in lines[0] for c in _cases(ckpt))

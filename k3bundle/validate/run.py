@@ -236,24 +236,24 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     listed = meta.get("cases", [])
     chosen = {e["name"] for e in select_cases(listed, cases)}
     ran = [e["name"] for e in listed if e.get("status") == "ok" and e["name"] in chosen]
+    device.check({n: _case_arrays(inter, n) for n in ran})  # bad input first, all of it at once
     device.prepare(vdir, ran)
-    device.check({n: _case_arrays(inter, n) for n in ran})
-    cases = []
+    case_reports = []
     for i, entry in enumerate(listed):
         if progress:
             progress(i, len(listed), entry["name"])
         if entry["name"] not in chosen:
-            cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", "not selected (--cases)"))
+            case_reports.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", "not selected (--cases)"))
             continue
         if entry.get("status") != "ok":
-            cases.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
+            case_reports.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
             continue
         t_case = time.time()
         golden = _case_arrays(inter, entry["name"])
         out = device.case(entry["name"], golden, inputs[f"{entry['name']}/ids"])
-        cases.append(judge_case(entry["name"], entry["kind"], golden, out, tol))
-        cases[-1].seconds = time.time() - t_case
+        case_reports.append(judge_case(entry["name"], entry["kind"], golden, out, tol))
+        case_reports[-1].seconds = time.time() - t_case
     if progress:
         progress(len(listed), len(listed), "")
-    return Report(str(bundle), device.mode, device.name, tol, cases, meta, time.time() - t0, device.exact_status,
+    return Report(str(bundle), device.mode, device.name, tol, case_reports, meta, time.time() - t0, device.exact_status,
                   integrity, problems)
