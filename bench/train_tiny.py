@@ -16,8 +16,9 @@ install has offline):
    - chat: conversations made from consecutive English sentences and from tool-call
      templates, rendered with the XTML chat renderer (``k3bundle.chat.render``), so the
      special tokens and the think/response/tool structure of every golden case are seen.
-2. **Model.** Every text tensor starts from ``synth``'s draw for seed 0
-   (``k3bundle.synth.weights.logical_values``) as a float32 parameter; routed experts are
+2. **Model.** Every text tensor starts from synth's rules for seed 0 drawn with the former
+   torch generator (``logical_values(..., TorchDraw)``: the shipped model was trained from it)
+   as a float32 parameter; routed experts are
    float32 master weights. The forward is ``k3bundle.executor.Executor`` under the float32
    policy, through ``TrainWeights`` (a ``WeightSource`` whose tensors are the parameters), so
    the trained function is exactly the one the executor evaluates; autograd does the rest.
@@ -57,7 +58,7 @@ from k3bundle.formats import mxfp4  # noqa: E402
 from k3bundle.presets import preset_config  # noqa: E402
 from k3bundle.schema import Format, Schema, Section  # noqa: E402
 from k3bundle.synth.tokenizer import load_corpus, write_tokenizer  # noqa: E402
-from k3bundle.synth.weights import logical_values, stored_form  # noqa: E402
+from k3bundle.synth.weights import TorchDraw, logical_values, stored_form  # noqa: E402
 from k3bundle.tokenizer import load_tiktoken  # noqa: E402
 
 PRESET = "tiny-trained"
@@ -189,7 +190,7 @@ class TrainWeights(WeightSource):
         for spec in schema.tensors():
             if spec.role.section is not Section.TEXT or spec.part == "scale":
                 continue
-            t = logical_values(schema, spec, seed)
+            t = logical_values(schema, spec, seed, TorchDraw)
             if spec.expert is not None:  # one stacked [E, out, in] tensor per layer and role
                 experts.setdefault((spec.role.role, spec.layer), []).append(t)
                 continue

@@ -85,6 +85,8 @@ _WORDS = ("tensor shard rank expert block scale layer token cache state kernel d
 
 
 def _filler(seed: int, sentences: int) -> str:
+    # Python's Mersenne Twister with choice/randint: integer arithmetic only (getrandbits and
+    # rejection), so the same text on every machine; the goldens' decisions pin holds it
     rng = random.Random(seed)
     out = []
     for i in range(sentences):

@@ -96,6 +96,18 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+def tree_digest(root: str | os.PathLike) -> str:
+    """One sha256 for a folder: over (relative path, NUL, sha256 of the bytes) of every file in it,
+    in path order, so two trees have the same digest exactly when they hold the same files."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(root).as_posix().encode() + b"\0")
+            h.update(bytes.fromhex(sha256_file(p)[0]))
+    return h.hexdigest()
+
+
 def link_in_path(root: str | os.PathLike, rel: str | os.PathLike) -> Path | None:
     """The first component of ``root/rel`` below ``root`` that is a symbolic link (or None).
 

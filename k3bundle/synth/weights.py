@@ -1,9 +1,12 @@
 """Random weights for synthetic checkpoints, scaled so activations stay O(1).
 
-Every logical tensor draws from its own generator, seeded from (seed, tensor name), so a
-tensor's values depend on nothing else: shards can be written in any order or in
-parallel and the bytes stay the same. Routed experts are drawn in float32 and stored as
-real MXFP4 encodings (OCP FLOOR rule, the OCP-recommended conversion).
+Every logical tensor draws from its own stream, keyed by (seed, tensor name), so a tensor's
+values depend on nothing else: shards can be written in any order or in parallel and the
+bytes stay the same. The stream (``synth/stream.py``) is defined bit for bit on every
+platform, and so is everything after it: the draw is scaled in float64 with correctly rounded
+operations and rounded once to the stored dtype (F32, BF16), so ``synth --preset P --seed S``
+writes the same bytes on every machine. Routed experts are rounded once to float32 and stored
+as real MXFP4 encodings (OCP FLOOR rule, the OCP-recommended conversion, defined from float32).
 
 Scales (spec §3 equations keep every sub-layer input RMS-normalised, so matching each
 projection's fan-in keeps outputs near unit RMS):
@@ -17,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import torch
 
 from k3bundle.formats import mxfp4
 from k3bundle.schema import Format, Schema, TensorSpec
+from k3bundle.synth import stream
 
 # role -> (kind, std): draws that the fan-in rule does not cover
 SPECIAL = {
@@ -36,43 +41,96 @@ SPECIAL = {
 }
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+class PortableDraw:
+    """Synth's draw: the portable stream of (seed, name), in float64 (numpy arrays)."""
+
+    def __init__(self, seed: int, name: str):
+        self._stream = stream.Stream(seed, name)
+
+    def normal(self, shape: tuple[int, ...]) -> np.ndarray:
+        return self._stream.normal(math.prod(shape)).reshape(shape)
+
+    def uniform(self, n: int) -> np.ndarray:
+        return self._stream.uniform(n)
+
+    zeros = staticmethod(np.zeros)
+    log = staticmethod(stream.log)
+
+
+class TorchDraw:
+    """The draw synth made before the portable stream: ``torch.Generator`` seeded from
+    sha256(seed:name), float32 arithmetic. Its last bits differ between CPU builds; it stays
+    because the shipped ``tiny-trained`` was trained from it (``bench/train_tiny.py``)."""
+
+    def __init__(self, seed: int, name: str):
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        self._gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+    def normal(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=self._gen)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self._gen)
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32)
+
+    log = staticmethod(torch.log)
 
 
 def _is_gain(spec: TensorSpec) -> bool:
     return len(spec.logical_shape) == 1 and spec.role.role.endswith("norm")
 
 
-def logical_values(schema: Schema, spec: TensorSpec, seed: int) -> torch.Tensor:
-    """The float32 values of one logical tensor (an MXFP4 pair shares one draw)."""
-    gen = _generator(seed, spec.stem)
+def logical_values(schema: Schema, spec: TensorSpec, seed: int, draw=PortableDraw) -> torch.Tensor:
+    """The values of one logical tensor (an MXFP4 pair shares one draw): float64 from synth's
+    portable draw, float32 from ``TorchDraw``. Every rule below is one correctly rounded
+    operation after another in the draw's precision."""
+    d = draw(seed, spec.stem)
     shape = spec.logical_shape
     kind, std = SPECIAL.get(spec.role.role, (None, None))
     if kind == "a_log":
         heads = schema.dims["H"]
-        x = torch.zeros(shape, dtype=torch.float32)
-        x[:heads] = torch.log(1 + 15 * torch.rand(heads, generator=gen))
-        return x
-    if kind == "normal":
-        return std * torch.randn(shape, generator=gen)
-    if kind == "fan_in":
-        return std * torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
-    if _is_gain(spec):
-        return 1 + 0.1 * torch.randn(shape, generator=gen)
-    fan_in = math.prod(shape[1:])
-    return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        x = d.zeros(shape)
+        x[:heads] = d.log(1 + 15 * d.uniform(heads))
+    elif kind == "normal":
+        x = std * d.normal(shape)
+    elif kind == "fan_in":
+        x = std * d.normal(shape) / math.sqrt(math.prod(shape[1:]))
+    elif _is_gain(spec):
+        x = 1 + 0.1 * d.normal(shape)
+    else:
+        x = d.normal(shape) / math.sqrt(math.prod(shape[1:]))
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def round_bf16(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded once to BF16, to nearest, ties to even. torch rounds float64 through
+    float32 (twice: 1 + 2**-8 + 2**-40 becomes 1, not 1 + 2**-7), so float64 is rounded here
+    on its bits; float32 and narrower go through torch, which rounds them once. Values must be
+    finite and zero or of magnitude at least 2**-126 (BF16's normal range)."""
+    if values.dtype != torch.float64:
+        return values.to(torch.bfloat16)
+    bits = values.contiguous().numpy().view(np.uint64)
+    drop = np.uint64(45)  # float64 keeps 52 fraction bits, BF16 7
+    r = (bits >> drop) & np.uint64(1)  # the kept last bit: ties go to the even one
+    r += np.uint64((1 << 44) - 1)
+    r += bits  # a carry out of the fraction steps the exponent, as rounding up should
+    r >>= drop
+    r <<= drop
+    return torch.from_numpy(r.view(np.float64).astype(np.float32)).to(torch.bfloat16)
 
 
 def stored_form(spec: TensorSpec, values: torch.Tensor) -> dict[str, torch.Tensor]:
     """A logical tensor's float values as the release stores them: {name: tensor}, both halves
-    of an MXFP4 pair (OCP FLOOR scale rule), else BF16 or F32 as declared."""
+    of an MXFP4 pair (OCP FLOOR scale rule, from the values rounded once to float32), else BF16
+    or F32 as declared, each rounded once."""
     if spec.role.fmt is Format.MXFP4:
-        packed, scales = mxfp4.quantize(values, scale_rule="floor")
+        packed, scales = mxfp4.quantize(values.float(), scale_rule="floor")
         parts = {"packed": packed, "scale": scales}
         return {spec.name: parts[spec.part], spec.pair_name: parts["scale" if spec.part == "packed" else "packed"]}
-    return {spec.name: values.float().contiguous() if spec.dtype == "F32" else values.to(torch.bfloat16).contiguous()}
+    return {spec.name: values.float().contiguous() if spec.dtype == "F32" else round_bf16(values).contiguous()}
 
 
 def make_tensors(schema: Schema, specs: list[TensorSpec], seed: int,
