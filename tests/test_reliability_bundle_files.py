@@ -1,11 +1,14 @@
 """A bundle's own files as a hostile colleague would edit them: an index or manifest that names
-files outside the bundle is refused by every command that reads it."""
+files outside the bundle, a FIFO for the tokenizer, goldens of another model, a sign-off whose
+cases are not case reports: each refused in one line, never a hang or a traceback."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import time
 
 import pytest
 
@@ -96,3 +99,39 @@ def test_a_manifest_listing_a_path_outside_the_bundle_is_refused(bundle, tmp_pat
         read_manifest(b)
     r = run_cli("verify", str(b))
     assert r.returncode == 2 and "absolute path" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_fifo_in_place_of_the_tokenizer_is_named_not_waited_on(bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(bundle["bundle"], b, ignore=shutil.ignore_patterns("*.safetensors"))
+    (b / "tokenizer" / "tiktoken.model").unlink()
+    os.mkfifo(b / "tokenizer" / "tiktoken.model")
+    t0 = time.monotonic()
+    r = run_cli("golden", str(b), "--out", str(tmp_path / "g"), "--cases", str(bundle["cases"]), "--no-noise")
+    assert r.returncode == 2 and "tiktoken.model: cannot read: is a FIFO, not a regular file" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 120 and not (tmp_path / "g").exists()
+
+
+def test_validate_against_goldens_of_another_model_width_is_one_line(bundle, tiny_trained_ckpt, tmp_path):
+    from k3bundle.golden.generate import generate_goldens
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle["bundle"], b, ignore=shutil.ignore_patterns("validation"))
+    generate_goldens(tiny_trained_ckpt, out=b / "validation", cases_dir=bundle["cases"], noise=False)  # width 128
+    r = run_cli("validate", str(b))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "the goldens are of another model: case 'greedy' has embed of width 128" in r.stderr
+    assert "hidden_size 256" in r.stderr and not (b / "reports" / "signoff.json").exists()
+
+
+def test_checklist_on_a_signoff_whose_cases_are_not_case_reports_names_them(bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(bundle["bundle"], b, ignore=shutil.ignore_patterns("*.safetensors"))
+    (b / "reports").mkdir()
+    (b / "reports" / "signoff.json").write_text(json.dumps({"schema_version": 1, "passed": True, "cases": [1]}))
+    r = run_cli("checklist", "--target", str(TINY_TP2), "--bundle", str(b), "--verify", "manifest", "--json")
+    assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr
+    stages = {s["title"]: s for s in json.loads(r.stdout)["stages"]}
+    for title in ("per-layer numerics", "end-to-end cases"):
+        assert not stages[title]["done"], stages[title]
+        assert "signoff.json: cases[0] is not a case report" in stages[title]["missing"], stages[title]

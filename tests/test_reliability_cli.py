@@ -5,6 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -111,3 +115,14 @@ def test_a_metadata_error_names_the_json_type_not_an_internal_class(tmp_path):
     with pytest.raises(SafetensorsError) as e:
         read_header(p)
     assert "_Pairs" not in str(e.value) and "is an object, not a string" in str(e.value)
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.6])
+def test_ctrl_c_while_a_command_imports_is_one_line(delay):
+    """SIGINT while ``validate`` still imports its modules (torch among them): "aborted", exit 130."""
+    p = subprocess.Popen([sys.executable, "-m", "k3bundle", "validate", "/nonexistent-bundle"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert "Traceback" not in err and p.returncode == 130 and err.strip() == "aborted", (p.returncode, err)

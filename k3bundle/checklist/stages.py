@@ -104,6 +104,11 @@ def read_signoff(bundle: Path) -> tuple[dict | None, str]:
         return None, why
     if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("cases"), list):
         return None, f"{SIGNOFF}: not a k3bundle sign-off report of schema version 1"
+    for i, c in enumerate(doc["cases"]):  # the stages read these fields of every case
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("status"), str)
+                and isinstance(c.get("results", []), list) and all(isinstance(r, dict) for r in c.get("results", []))):
+            return None, (f"{SIGNOFF}: cases[{i}] is not a case report (an object with a name, a status and a "
+                          f"list of results), got {str(c)[:60]}")
     return doc, ""
 
 

@@ -97,7 +97,7 @@ def _run_app() -> None:
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except _click_classes("Abort"):
+    except (KeyboardInterrupt, *_click_classes("Abort")):  # Ctrl-C, also while a command's modules import
         sys.stderr.write("aborted\n")
         sys.exit(130)
     except _click_classes("ClickException") as e:  # usage errors, bad parameters, missing arguments

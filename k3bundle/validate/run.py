@@ -9,6 +9,7 @@ taps and its teacher-forced layer outputs. ``validate()`` only loops over the ca
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from k3bundle.bundle.manifest import read_manifest
+from k3bundle.config import load_config
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
@@ -117,6 +119,36 @@ def load_goldens(validation: Path) -> tuple[dict, dict, dict, Tolerances]:
             raise GoldenFileError(f"{validation / 'golden_inputs.npz'}: greedy tokens of case {name!r} differ "
                                   "from golden_intermediates.npz; rerun `k3bundle golden`")
     return inputs, inter, meta, load_tolerances(validation / "tolerances.yaml")
+
+
+_LAYER_TAP = re.compile(r"[/.]layers\.(\d+)\.")  # "case/layers.3.mixer_out", "case/decode.layers.3.ffn_out"
+
+
+def check_same_model(bundle: Path, validation: Path, inputs: dict, inter: dict, cases: list[dict]) -> None:
+    """Refuse goldens of another model before any case runs: their hidden width, vocabulary and
+    depth must be the bundle's (``config.json``), and their ids within its vocabulary. Goldens of
+    a wider model would otherwise end in a size-mismatch deep inside the forward."""
+    if not (bundle / "config.json").is_file():
+        return
+    text = load_config(bundle).text
+    layers = {int(m.group(1)) for k in inter if (m := _LAYER_TAP.search(k))}
+    for entry in cases:
+        name = entry["name"]
+        if entry.get("status") != "ok":
+            continue
+        for tap, size, field in (("embed", text.hidden_size, "hidden_size"), ("logits", text.vocab_size, "vocab_size")):
+            a = inter.get(f"{name}/{tap}")
+            if a is not None and a.ndim and a.shape[-1] != size:
+                raise GoldenFileError(f"{validation}: the goldens are of another model: case {name!r} has {tap} of "
+                                      f"width {a.shape[-1]}, {bundle / 'config.json'} has {field} {size}; run "
+                                      f"`k3bundle golden {bundle}`")
+        ids = inputs[f"{name}/ids"]
+        if ids.size and (ids.min() < 0 or ids.max() >= text.vocab_size):
+            raise GoldenFileError(f"{validation}: case {name!r} holds token id {int(ids.max())}, outside "
+                                  f"{bundle / 'config.json'}'s vocab_size {text.vocab_size}")
+    if layers and max(layers) >= text.num_hidden_layers:
+        raise GoldenFileError(f"{validation}: the goldens are of another model: they tap layer {max(layers)}, "
+                              f"{bundle / 'config.json'} has num_hidden_layers {text.num_hidden_layers}")
 
 
 def _case_arrays(inter: dict, case: str) -> dict:
@@ -234,6 +266,7 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     vdir = Path(validation) if validation else bundle / "validation"
     inputs, inter, meta, tol = load_goldens(vdir)
     listed = meta.get("cases", [])
+    check_same_model(bundle, vdir, inputs, inter, listed)
     chosen = {e["name"] for e in select_cases(listed, cases)}
     ran = [e["name"] for e in listed if e.get("status") == "ok" and e["name"] in chosen]
     device.check({n: _case_arrays(inter, n) for n in ran})  # bad input first, all of it at once
