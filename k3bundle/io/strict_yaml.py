@@ -129,6 +129,7 @@ def loads_yaml(text: str, where: str) -> Any:
             return None
         _Walk(loader.tagged).size(node, ())
         doc = loader.construct_document(node)
+        bad = _nonfinite(doc, ())
     except _Refused as e:
         raise YamlFileError(where, e.problem, key=e.key) from None
     except yaml.MarkedYAMLError as e:
@@ -140,7 +141,6 @@ def loads_yaml(text: str, where: str) -> Any:
             from None
     finally:
         loader.dispose()
-    bad = _nonfinite(doc, ())
     if bad is not None:
         raise YamlFileError(where, f"{_dotted(bad)} must be a finite number", key=_dotted(bad))
     return doc
