@@ -207,3 +207,14 @@ def test_golden_refuses_a_fifo_case_file_and_a_bombed_or_non_utf8_input_before_a
     r = run_cli("golden", str(tiny_ckpt), "--out", str(tmp_path / "g"), "--cases", str(d), "--tolerances", str(bad))
     assert r.returncode == 2 and "latin1.yaml: not UTF-8" in r.stderr, r.stderr
     assert not (tmp_path / "g").exists()
+
+
+def test_golden_refuses_a_case_longer_than_the_models_context_before_any_forward(tiny_ckpt, tmp_path):
+    d = tmp_path / "cases"
+    d.mkdir()
+    (d / "long_context.yaml").write_text((REPO / "golden" / "cases" / "long_context.yaml").read_text())
+    r = run_cli("golden", str(tiny_ckpt), "--out", str(tmp_path / "g"), "--cases", str(d), "--long-tokens", "70000")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(r"long_context\.yaml: 7\d,\d{3} prompt tokens \+ 8 steps exceed the model's context, "
+                     r"max_position_embeddings 65,536 in .*config\.json", r.stderr), r.stderr
+    assert not (tmp_path / "g").exists()

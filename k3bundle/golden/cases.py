@@ -209,6 +209,17 @@ def load_case(path: str | Path) -> Case:
                 long_context=data.get("long_context"), requires=tuple(requires), raw=data)
 
 
+def check_context(cases: list[Case], built: dict[str, list[int]], context: object, config: str) -> None:
+    """Every case's prompt tokens plus its greedy steps within the model's context
+    (``max_position_embeddings`` of ``config``, when it gives one), checked before any forward."""
+    if not _is_int(context):
+        return
+    for c in cases:
+        if c.name in built and len(built[c.name]) + c.steps > context:
+            raise CaseError(f"{c.source}: {len(built[c.name]):,} prompt tokens + {c.steps} steps exceed the model's "
+                            f"context, max_position_embeddings {context:,} in {config}")
+
+
 def default_cases_dir() -> Path:
     """``golden/cases`` in a source checkout, else the copy inside the installed package."""
     for d in data_dirs("golden/cases"):

@@ -28,7 +28,8 @@ from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.case import case_steps, replay_args, run_case, run_cases
 from k3bundle.executor.model import drive_lockstep
 from k3bundle.executor.kda import CHUNK
-from k3bundle.golden.cases import Case, check_long_tokens, load_cases
+from k3bundle.config import load_config
+from k3bundle.golden.cases import Case, check_context, check_long_tokens, load_cases
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
@@ -53,7 +54,6 @@ def streamed_weights(source: Path, dtype: str, device: str) -> bool:
     """True where a checkpoint's non-expert tensors in ``dtype`` exceed the resident budget of
     ``device`` (``resident_budget``): the real model's 57 B non-expert parameters are 227 GB in
     float32, more than any one GPU holds, so they stream one layer ahead instead."""
-    from k3bundle.config import load_config
     from k3bundle.schema import Schema
 
     cfg = load_config(source)
@@ -216,6 +216,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     summary, seconds = [], {}  # timings stay out of the files: same inputs, same bytes
     built = {c.name: c.build_ids(encoding, long_tokens if c.kind == "long_context" else None)
              for c in cases if c.runnable}
+    check_context(cases, built, (load_config(source).raw.get("text_config") or {}).get("max_position_embeddings"),
+                  str(source / "config.json"))
     together = {}
     if schedule == "layer" and built:
         if progress:
