@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3bundle.errors import ConfigError
+from k3bundle.errors import ConfigError, JsonFileError
+from k3bundle.file_names import CONFIG
+from k3bundle.io.strict_json import dotted, nonfinite_problem, read_json
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class K3Config:
     pad_token_id: int
     media_placeholder_token_id: int | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
-    source: str = field(default="config.json", compare=False)
+    source: str = field(default=CONFIG, compare=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -266,18 +268,6 @@ MAX_DIM = 1 << 22  # any width, head count, rank or expert count
 MAX_VOCAB = 1 << 24
 
 
-def _nonfinite(value: Any, path: str) -> tuple[str, float] | None:
-    """The first NaN/Infinity anywhere under ``value`` (JSON allows neither; Python's parser does)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return path, value
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        hit = _nonfinite(v, f"{path}.{k}" if path else str(k))
-        if hit:
-            return hit
-    return None
-
-
 def _check_bounds(t: TextConfig, src: str) -> None:
     for name, limit in (("num_hidden_layers", MAX_LAYERS), ("vocab_size", MAX_VOCAB)):
         v = getattr(t, name)
@@ -292,15 +282,6 @@ def _check_bounds(t: TextConfig, src: str) -> None:
     for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
         v = getattr(la, name)
         _require(v <= MAX_DIM, src, f"text_config.linear_attn_config.{name} is {v}, above the supported {MAX_DIM:,}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ConfigError(f"duplicate key {json.dumps(key)}")
-        out[key] = value
-    return out
 
 
 def _require(cond: bool, source: str, message: str) -> None:
@@ -383,7 +364,7 @@ def _check_vision(v: VisionConfig, text: TextConfig, src: str) -> None:
              f"vision_config.mm_hidden_size ({v.mm_hidden_size}) must equal vt_hidden_size ({v.vt_hidden_size})")
 
 
-def parse_config(data: Any, source: str = "config.json") -> K3Config:
+def parse_config(data: Any, source: str = CONFIG) -> K3Config:
     """Parse and check a released-style config dict.
 
     Args:
@@ -395,9 +376,9 @@ def parse_config(data: Any, source: str = "config.json") -> K3Config:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
-    bad = _nonfinite(data, "")
+    bad = nonfinite_problem(data)  # a dict from YAML (presets) may hold .nan; JSON text is refused earlier
     if bad:
-        raise ConfigError(f"{source}: {bad[0]} must be a finite number, got {bad[1]}")
+        raise ConfigError(f"{source}: {bad}")
     if "text_config" not in data:
         raise ConfigError(f"{source}: required field text_config is missing (a text-only "
                           "kimi_linear config is not a Kimi K3 release config)")
@@ -436,21 +417,15 @@ def load_config(path: str | Path) -> K3Config:
     """Read ``config.json`` (or a checkpoint directory containing one) and parse it."""
     p = Path(path)
     if p.is_dir():
-        p = p / "config.json"
-    if p.exists() and not p.is_file():  # a FIFO would block the read forever
-        raise ConfigError(f"{p}: not a regular file")
+        p = p / CONFIG
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read: {e}") from None
-    try:
-        data = json.loads(text, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+        data = read_json(p)
+    except JsonFileError as e:
+        if e.key is None:
+            raise ConfigError(str(e)) from None
+        # config messages quote JSON text as JSON (``"hidden_size"``), as they quote values
+        raise ConfigError(f"{e.file}: duplicate key {json.dumps(e.key)}"
+                          + (f" in {dotted(e.at)}" if e.at else "")) from None
     return parse_config(data, source=str(p))
 
 

@@ -21,6 +21,8 @@ from k3bundle.check.verify import verify
 from k3bundle.checklist import write_checklist
 from k3bundle.convert import convert
 from k3bundle.errors import K3Error
+from k3bundle.file_names import (CHECKLIST, GOLDEN_INPUTS, MANIFEST, REPORTS_DIR, SIGNOFF_NAMES, SOURCE_RECORD,
+                                  VALIDATION_DIR)
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.plan.report import plan_from
 from k3bundle.pull import pull
@@ -52,7 +54,7 @@ class DemoResult:
 
 def greedy_continuation(golden_dir: Path, checkpoint: Path, case: str = "greedy") -> str:
     """The tokens the golden run chose after the ``case`` prompt, as text."""
-    with np.load(golden_dir / "golden_inputs.npz", allow_pickle=False) as z:
+    with np.load(golden_dir / GOLDEN_INPUTS, allow_pickle=False) as z:
         key = f"{case}/greedy_tokens"
         tokens = z[key].tolist() if key in z.files else []
     return load_tiktoken(checkpoint).decode(tokens)
@@ -78,8 +80,8 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
 
     synth, pulled, bundle = out / f"synth-{PRESET}", out / "checkpoint", out / f"bundle-{TARGET}"
     step("synth", synth, lambda: f"{write_synthetic(synth, preset=PRESET).tensors} tensors ({PRESET})")
-    step("pull", pulled / "source.json",
-         lambda: f"{len(pull(synth, pulled, workers=2).record.files)} files hashed once, source.json written")
+    step("pull", pulled / SOURCE_RECORD,
+         lambda: f"{len(pull(synth, pulled, workers=2).record.files)} files hashed once, {SOURCE_RECORD} written")
     step("plan", TARGET, lambda: f"{plan_from(TARGET, source=pulled).layout.parallel.tp} ranks of TP")
     step("convert", bundle, lambda: f"{convert(pulled, TARGET, bundle).files} files")
     def _verify():
@@ -89,21 +91,20 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
         return f"{r.files} files re-hashed, {r.rederived_files} re-derived from the source, " \
                f"{r.reassembled_tensors} tensors reassembled byte for byte"
 
-    step("verify", bundle / "manifest.json", _verify)
+    step("verify", bundle / MANIFEST, _verify)
     def _golden():
         r = generate_goldens(bundle, long_tokens=long_tokens, device=device)
         res.continuation = greedy_continuation(r.out, pulled)
         return f"content hash {r.content_hash[:16]}; the greedy case continues: {res.continuation!r}"
 
-    step("golden", bundle / "validation", _golden)
+    step("golden", bundle / VALIDATION_DIR, _golden)
 
     def _validate():
         rep = validate(bundle, open_device(bundle, device=device))
-        files = write_reports(rep, bundle / "reports")
+        files = write_reports(rep, bundle / REPORTS_DIR)
         res.passed = rep.passed
         return ("PASS" if rep.passed else "FAIL") + f" ({files[1].name})"
 
-    step("validate", bundle / "reports" / "signoff.md", _validate)
-    step("checklist", bundle / "reports" / "checklist.md",
-         lambda: write_checklist(TARGET, bundle=bundle, out=bundle / "reports" / "checklist.md"))
+    step("validate", bundle / REPORTS_DIR / SIGNOFF_NAMES[1], _validate)
+    step("checklist", bundle / CHECKLIST, lambda: write_checklist(TARGET, bundle=bundle, out=bundle / CHECKLIST))
     return res

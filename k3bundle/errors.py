@@ -47,3 +47,21 @@ class YamlFileError(K3Error):
 
 def _rebuild_yaml_error(file: str, problem: str, key: str | None) -> YamlFileError:
     return YamlFileError(file, problem, key=key)
+
+
+class JsonFileError(K3Error):
+    """A JSON file is unreadable, not strict JSON (a key twice, NaN, Infinity), or not the k3bundle
+    kind and schema version expected (``k3bundle.io.strict_json``). ``problem`` is the message
+    without the file; ``cause`` is "missing", "unreadable" (the file), "content" (the JSON) or
+    "version" (kind or schema version); ``key`` and ``at`` say which key was given twice, and where."""
+
+    def __init__(self, file: str, problem: str, *, cause: str = "content", key: str | None = None, at: tuple = ()):
+        super().__init__(f"{file}: {problem}")
+        self.file, self.problem, self.cause, self.key, self.at = str(file), problem, cause, key, tuple(at)
+
+    def __reduce__(self):  # the keyword fields survive a trip between processes
+        return _rebuild_json_error, (self.file, self.problem, self.cause, self.key, self.at)
+
+
+def _rebuild_json_error(file: str, problem: str, cause: str, key: str | None, at: tuple) -> JsonFileError:
+    return JsonFileError(file, problem, cause=cause, key=key, at=at)

@@ -15,7 +15,7 @@ import torch
 
 from k3bundle.config import K3Config, load_config
 from k3bundle.errors import SchemaError
-from k3bundle.io import SafetensorsFile, TensorInfo, check_index
+from k3bundle.io import INDEX_NAME, SafetensorsFile, TensorInfo, check_index
 from k3bundle.schema import RELEASE_PREFIX, Schema, TensorSpec
 
 
@@ -29,7 +29,7 @@ class SourceCheckpoint:
         checked = check_index(self.dir)
         self.index = checked.index
         self._headers = checked.headers
-        self.schema.check_keys(self.index.weight_map, where=str(self.dir / "model.safetensors.index.json"))
+        self.schema.check_keys(self.index.weight_map, where=str(self.dir / INDEX_NAME))
         self._check_shapes()
         self._open: dict[str, SafetensorsFile] = {}
 

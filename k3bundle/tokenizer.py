@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 from pathlib import Path
 
 import tiktoken
 
 from k3bundle import tokenizer_specials as ts
-from k3bundle.errors import K3Error
+from k3bundle.errors import JsonFileError, K3Error
 from k3bundle.io.files import open_regular
+from k3bundle.io.strict_json import read_json
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -105,11 +105,9 @@ def read_mergeable_ranks(path: str | os.PathLike[str]) -> dict[bytes, int]:
 def _check_config(path: Path, specials: dict[str, int]) -> None:
     """Check that ``tokenizer_config.json``'s named specials sit where k3bundle expects."""
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON: {e}") from None
+        cfg = read_json(path)
+    except JsonFileError as e:
+        raise TokenizerError(str(e)) from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path}: expected a JSON object at the top level")
     decoder = cfg.get("added_tokens_decoder", {})

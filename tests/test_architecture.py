@@ -19,16 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "k3bundle"
 DOC = ROOT / "docs" / "design-notes.md"
 
-BASE = ("errors", "data_dirs", "config", "io", "formats", "schema", "source")
+BASE = ("errors", "data_dirs", "file_names", "io", "config", "formats", "schema", "source")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("k3bundle", ()),  # the package root: __version__ only
     ("errors", ()),
     ("data_dirs", ()),
+    ("file_names", ()),
     ("runtime", ("errors",)),
     ("pages", ()),
     ("metrics", ()),
-    ("config", ("errors",)),
-    ("io", ("errors",)),
+    ("io", ("errors", "file_names")),
+    ("config", ("errors", "file_names", "io")),
     ("formats", ("errors",)),
     ("tokenizer_specials", ("errors",)),
     ("tokenizer", ("k3bundle", "errors", "io", "tokenizer_specials")),
@@ -36,8 +37,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("schema", ("errors", "config")),
     ("source", ("errors", "config", "io", "schema")),
     ("presets", ("errors", "config", "tokenizer_specials")),
-    ("synth", ("k3bundle", "errors", "config", "io", "formats", "schema", "tokenizer_specials", "presets")),
-    ("pull", ("k3bundle", "errors", "io")),
+    ("synth", ("k3bundle", "errors", "file_names", "config", "io", "formats", "schema", "tokenizer_specials", "presets")),
+    ("pull", ("k3bundle", "errors", "file_names", "io")),
     ("storage", ("errors", "config", "io", "formats", "schema")),
     ("layouts", ("errors", "data_dirs", "io", "formats", "schema", "storage")),
     ("plan", BASE + ("presets", "storage", "layouts")),
@@ -50,8 +51,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
     ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "check", "golden", "kernels")),
-    ("demo", ("errors", "tokenizer", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
-    ("cli", ("k3bundle", "errors", "runtime", "pages", "config", "io", "schema", "source", "presets", "synth", "pull", "plan", "executor",
+    ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
+    ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "source", "presets", "synth", "pull",
+             "plan", "executor",
              "bundle", "convert", "check", "checklist", "kernels", "golden", "validate", "demo")),
     ("__main__", ("cli",)),
 )

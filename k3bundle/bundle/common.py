@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
+from k3bundle.errors import JsonFileError
+from k3bundle.io import strict_json
 from k3bundle.io.files import relpath_problem
 
 
@@ -15,19 +17,12 @@ def json_bytes(doc: dict) -> bytes:
 
 
 def read_json(path: str | Path, kind: str, version: int) -> dict:
-    """Read a k3bundle JSON file and check its ``kind`` and ``schema_version``."""
-    path = Path(path)
+    """Read a k3bundle JSON file strictly (``io.strict_json``) and check its ``kind`` and
+    ``schema_version``; a problem is a ``BundleError`` naming the file."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BundleError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"{path}: not a readable JSON file: {e}") from None
-    if not isinstance(doc, dict) or doc.get("kind") != kind:
-        raise BundleError(f"{path}: not a {kind} file (kind {doc.get('kind') if isinstance(doc, dict) else None!r})")
-    if doc.get("schema_version") != version:
-        raise BundleError(f"{path}: schema_version {doc.get('schema_version')!r}; this k3bundle reads {version}")
-    return doc
+        return strict_json.read_json(path, kind=kind, version=version)
+    except JsonFileError as e:
+        raise BundleError(str(e)) from None
 
 
 def check_relpath(name: object, where: str) -> None:

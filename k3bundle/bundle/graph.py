@@ -16,7 +16,6 @@ from k3bundle.schema import Section
 from k3bundle.storage import STORAGE
 
 GRAPH_SCHEMA_VERSION = 1
-GRAPH_NAME = "graph_manifest.json"
 
 
 def _ops(plan: Plan, kda: list[int], mla: list[int], moe: list[int]) -> list[dict]:

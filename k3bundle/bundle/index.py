@@ -24,9 +24,10 @@ from pathlib import Path
 
 from k3bundle.bundle.common import check_relpath, read_json
 from k3bundle.bundle.errors import BundleError
+from k3bundle.errors import JsonFileError
+from k3bundle.io.strict_json import loads
 from k3bundle.storage import StorageFormat, stored_format
 
-INDEX_NAME = "weights.index.json"
 INDEX_SCHEMA_VERSION = 1
 INDEX_KIND = "k3bundle.weights_index"
 TENSORS_OPEN = ',"tensors":['  # how the header line ends
@@ -85,9 +86,9 @@ def lookup(path: str | Path, rank: int, key: str) -> tuple[dict, dict]:
     first = data.find(b"\n")
     head_line = data[:first] if first >= 0 else b""
     if head_line.endswith(TENSORS_OPEN.encode()):
-        try:
-            head = json.loads(head_line[:-len(TENSORS_OPEN)] + b"}")
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        try:  # strict, as every read: a line it refuses sends the file to the full parse, which says why
+            head = loads(head_line[:-len(TENSORS_OPEN)] + b"}", str(path))
+        except JsonFileError:
             head = None
         if isinstance(head, dict) and head.get("kind") == INDEX_KIND and head.get("schema_version") == INDEX_SCHEMA_VERSION:
             needle = b'"key":' + json.dumps(key, ensure_ascii=False).encode("utf-8") + b","
@@ -96,8 +97,8 @@ def lookup(path: str | Path, rank: int, key: str) -> tuple[dict, dict]:
                 start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
                 line = data[start:end if end >= 0 else len(data)]
                 try:
-                    e = json.loads(line[:-1] if line.endswith(b",") else line)
-                except (UnicodeDecodeError, json.JSONDecodeError):
+                    e = loads(line[:-1] if line.endswith(b",") else line, str(path))
+                except JsonFileError:
                     break  # not one entry per line after all: parse the whole file
                 if e.get("rank") == rank and e.get("key") == key:
                     check_relpath(e.get("file"), f"{path}: the entry of {key!r} on rank {rank}: file")

@@ -14,19 +14,17 @@ from pathlib import Path
 
 from k3bundle.bundle.common import check_relpath, read_json
 from k3bundle.bundle.errors import BundleError
+from k3bundle.file_names import MANIFEST
 
-MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA_VERSION = 1
 MANIFEST_KIND = "k3bundle.manifest"
-#: Written later by other commands (golden, validate, checklist); not part of convert's manifest.
-LATER_DIRS = ("validation", "reports")
 
 
 def read_manifest(bundle: str | Path) -> dict:
     """A bundle's manifest, checked for kind and schema version."""
-    path = Path(bundle) / MANIFEST_NAME
+    path = Path(bundle) / MANIFEST
     if not path.exists():
-        raise BundleError(f"{bundle}: no {MANIFEST_NAME}: not a bundle, or its conversion did not finish "
+        raise BundleError(f"{bundle}: no {MANIFEST}: not a bundle, or its conversion did not finish "
                           "(rerun the same convert command to resume it)")
     doc = read_json(path, MANIFEST_KIND, MANIFEST_SCHEMA_VERSION)
     if not isinstance(doc.get("files"), list):
@@ -38,4 +36,4 @@ def read_manifest(bundle: str | Path) -> dict:
     return doc
 
 
-__all__ = ["LATER_DIRS", "MANIFEST_KIND", "MANIFEST_NAME", "MANIFEST_SCHEMA_VERSION", "read_manifest"]
+__all__ = ["MANIFEST_KIND", "MANIFEST_SCHEMA_VERSION", "read_manifest"]

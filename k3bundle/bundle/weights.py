@@ -20,7 +20,6 @@ Nothing is trusted from names: every tensor is found by (rank, role, layer) in t
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
@@ -28,7 +27,9 @@ import torch
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.index import entry_format, read_index
+from k3bundle.bundle.manifest import read_manifest
 from k3bundle.config import load_config
+from k3bundle.file_names import CONFIG, MANIFEST, WEIGHTS_INDEX
 from k3bundle.executor.weights import EXPERT_ROLES, LayerWeights, WeightSource, policy
 from k3bundle.formats import mxfp4
 from k3bundle.ops.expert_weight import ExpertWeight
@@ -103,15 +104,15 @@ class BundleWeights(WeightSource):
     def __init__(self, bundle: str | Path, dtype: str = "bfloat16", device: str | torch.device = "cpu",
                  rank: int | None = None, group=None, resident_bytes: int = 0):
         self.root = Path(bundle)
-        if not (self.root / "manifest.json").is_file():
-            raise BundleError(f"{self.root}: no manifest.json; the bundle is incomplete (convert did not finish)")
-        self.convention = bundle_convention(json.loads((self.root / "manifest.json").read_text()), self.root)
-        self.config = load_config(self.root / "config.json")
+        if not (self.root / MANIFEST).is_file():
+            raise BundleError(f"{self.root}: no {MANIFEST}; the bundle is incomplete (convert did not finish)")
+        self.convention = bundle_convention(read_manifest(self.root), self.root)
+        self.config = load_config(self.root / CONFIG)
         self.schema = Schema(self.config)
         self.policy = policy(dtype)
         self.device = torch.device(device)
         self.rank, self.group = rank, group
-        index = read_index(self.root / "weights.index.json")
+        index = read_index(self.root / WEIGHTS_INDEX)
         self.world = int(index.get("world", 1))
         if rank is not None and not 0 <= rank < self.world:
             raise BundleError(f"{self.root}: rank {rank} out of range 0..{self.world - 1}")
@@ -403,5 +404,5 @@ class BundleWeights(WeightSource):
 
 def bundle_layout(bundle: str | Path) -> dict:
     """The resolved layout recorded in the bundle's manifest."""
-    m = json.loads((Path(bundle) / "manifest.json").read_text())
+    m = read_manifest(bundle)
     return m["layout"]["resolved"]

@@ -17,7 +17,8 @@ import math
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.bundle.index import INDEX_NAME, entry_format, find_entry, lookup
+from k3bundle.bundle.index import entry_format, find_entry, lookup
+from k3bundle.file_names import WEIGHTS_INDEX
 from k3bundle.formats.geometry import SWIZZLE_TILE_COLS, SWIZZLE_TILE_ROWS
 from k3bundle.io.dtypes import dtype_bits
 from k3bundle.storage import SliceSource, is_swizzled
@@ -44,7 +45,7 @@ def source_key(src: dict, expert: int | None, which: str = "data") -> str:
 def trace(bundle: str | Path, rank: int, key: str, offset: int | None = None, index: dict | None = None) -> dict:
     """The source of device tensor ``key`` on ``rank``; with ``offset``, of that byte of its data."""
     if index is None:  # one entry of the file, without parsing the rest (bundle/index.py "Layout")
-        index, e = lookup(Path(bundle) / INDEX_NAME, rank, key)
+        index, e = lookup(Path(bundle) / WEIGHTS_INDEX, rank, key)
     else:
         e = find_entry(index, rank, key)
     src = e["source"]

@@ -46,17 +46,17 @@ import numpy as np
 import torch
 
 from k3bundle.bundle.common import json_bytes
-from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
-from k3bundle.bundle.index import INDEX_NAME, entry_format, read_index
+from k3bundle.bundle.graph import graph_manifest
+from k3bundle.bundle.index import entry_format, read_index
 from k3bundle.bundle.index_writer import write_index
-from k3bundle.bundle.manifest import LATER_DIRS, MANIFEST_NAME, read_manifest
+from k3bundle.bundle.manifest import read_manifest
 from k3bundle.check.trace import source_key
 from k3bundle.check.values import check_values
-from k3bundle.convert.journal import JOURNAL
 from k3bundle.convert.manifest import convention_file
-from k3bundle.convert.run import LAYOUT_PATH, convert_shard, worker_init
+from k3bundle.convert.run import convert_shard, worker_init
 from k3bundle.convert.unit import build_unit, run_unit
 from k3bundle.errors import K3Error
+from k3bundle.file_names import CONVERT_JOURNAL, DEVICE_DIR, GRAPH_MANIFEST, LATER_DIRS, LAYOUT, MANIFEST, WEIGHTS_INDEX
 from k3bundle.formats.scale_swizzle import unswizzle, unswizzle_stack
 from k3bundle.io import SafetensorsFile, read_header
 from k3bundle.io.dtypes import dtype_bits
@@ -157,9 +157,9 @@ def _listed_files(bundle: Path, manifest: dict, report: VerifyReport, to_hash: s
             report.fail(f"{f['path']}: {size} bytes, manifest says {f['size']}")
         elif sha != f["sha256"]:
             report.fail(f"{f['path']}: sha256 {sha} does not match the manifest ({f['sha256']})")
-    listed = {f["path"] for f in manifest["files"]} | {MANIFEST_NAME, JOURNAL}
-    if (bundle / JOURNAL).exists():  # the manifest is written before the journal is removed
-        report.fail(f"{JOURNAL}: the conversion did not finish; rerun the same convert command to resume it")
+    listed = {f["path"] for f in manifest["files"]} | {MANIFEST, CONVERT_JOURNAL}
+    if (bundle / CONVERT_JOURNAL).exists():  # the manifest is written before the journal is removed
+        report.fail(f"{CONVERT_JOURNAL}: the conversion did not finish; rerun the same convert command to resume it")
     for p in sorted(bundle.rglob("*")):
         rel = p.relative_to(bundle).as_posix()
         if p.is_symlink():
@@ -180,15 +180,15 @@ def _check_index(bundle: Path, index: dict, report: VerifyReport) -> None:
             report.fail(f"{path}: {err}")
             continue
         if len(h.tensors) != len(entries):
-            report.fail(f"{path}: {len(h.tensors)} tensors in the file, {len(entries)} in {INDEX_NAME}")
+            report.fail(f"{path}: {len(h.tensors)} tensors in the file, {len(entries)} in {WEIGHTS_INDEX}")
         for e in entries:
             info = h.tensors.get(e["key"])
             if info is None:
-                report.fail(f"{path}: {INDEX_NAME} lists {e['key']}, the file lacks it")
+                report.fail(f"{path}: {WEIGHTS_INDEX} lists {e['key']}, the file lacks it")
             elif (info.dtype, list(info.shape), [info.abs_begin, info.abs_end]) != (e["dtype"], e["shape"],
                                                                                    e["byte_range"]):
                 report.fail(f"{path}: {e['key']} is {info.dtype} {list(info.shape)} at "
-                            f"[{info.abs_begin}, {info.abs_end}), {INDEX_NAME} says {e['dtype']} {e['shape']} "
+                            f"[{info.abs_begin}, {info.abs_end}), {WEIGHTS_INDEX} says {e['dtype']} {e['shape']} "
                             f"at {e['byte_range']}")
 
 
@@ -209,7 +209,7 @@ def verify(bundle: str | Path, source: str | Path | None = None,
     manifest = read_manifest(bundle)
     report = VerifyReport(str(bundle), level=level, seed=seed)
     actual = _listed_files(bundle, manifest, report, hashed_paths(manifest, level, seed, reads))
-    index = read_index(bundle / INDEX_NAME)
+    index = read_index(bundle / WEIGHTS_INDEX)
     _check_index(bundle, index, report)
     if source is not None:
         _verify_source(bundle, Path(source), manifest, index, actual, report, progress, workers)
@@ -225,10 +225,10 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
     report.source_checked = True
     recorded = {f["path"]: f for f in manifest["source"]["files"]}
     src = SourceCheckpoint(source)
-    layout = load_layout(str(bundle / LAYOUT_PATH))
+    layout = load_layout(str(bundle / LAYOUT))
     plan = plan_for_source(src, layout)
-    if plan.layout.to_yaml() != (bundle / LAYOUT_PATH).read_bytes():
-        report.fail(f"{LAYOUT_PATH}: re-resolving it against {source} gives a different layout")
+    if plan.layout.to_yaml() != (bundle / LAYOUT).read_bytes():
+        report.fail(f"{LAYOUT}: re-resolving it against {source} gives a different layout")
     listed = {f["path"]: f for f in manifest["files"]}
     # 3 + 4: re-derive every unit in a scratch directory beside the bundle, one source file at a time
     parent = bundle.resolve().parent  # beside the bundle (same file system), never inside it
@@ -263,14 +263,14 @@ def _verify_source(bundle: Path, source: Path, manifest: dict, index: dict, actu
             if sha != f["sha256"]:
                 report.fail(f"source {name}: sha256 {sha} does not match the manifest ({f['sha256']})")
         if len(shard_digests) == len(plan.shards):
-            write_index(scratch / INDEX_NAME, plan, shard_digests)
-            _same(report, INDEX_NAME, sha256_file(scratch / INDEX_NAME)[0], actual)
-        _same(report, GRAPH_NAME, hashlib.sha256(json_bytes(graph_manifest(plan))).hexdigest(), actual)
+            write_index(scratch / WEIGHTS_INDEX, plan, shard_digests)
+            _same(report, WEIGHTS_INDEX, sha256_file(scratch / WEIGHTS_INDEX)[0], actual)
+        _same(report, GRAPH_MANIFEST, hashlib.sha256(json_bytes(graph_manifest(plan))).hexdigest(), actual)
         quant_path, quant_bytes = convention_file(plan)
         _same(report, quant_path, hashlib.sha256(quant_bytes).hexdigest(), actual)
         for path, f in listed.items():  # copied files: byte-identical to the source's
             name = path.rsplit("/", 1)[-1]
-            if not path.startswith("device_weights/") and path not in (INDEX_NAME, GRAPH_NAME):
+            if not path.startswith(f"{DEVICE_DIR}/") and path not in (WEIGHTS_INDEX, GRAPH_MANIFEST):
                 if (source / name).is_file():
                     _same(report, path, sha256_file(source / name)[0], actual)
     finally:

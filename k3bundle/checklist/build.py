@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
+from k3bundle.bundle.graph import graph_manifest
 from k3bundle.check.verify import verify
 from k3bundle.checklist.capacity import Capacity, capacity
 from k3bundle.checklist.errors import ChecklistError
@@ -16,6 +15,9 @@ from k3bundle.checklist.op_reports import op_status, read_kernel_report
 from k3bundle.checklist.roofline import Roofline, roofline
 from k3bundle.checklist.stages import Stage, evaluate_stages
 from k3bundle.config import load_config, release_config_path
+from k3bundle.errors import JsonFileError
+from k3bundle.file_names import CONFIG, GRAPH_MANIFEST, MANIFEST
+from k3bundle.io.strict_json import read_json
 from k3bundle.layouts import load_layout
 from k3bundle.plan import Plan, make_plan
 
@@ -79,13 +81,13 @@ class Checklist:
 
 
 def _bundle_graph(bundle: Path) -> dict | None:
-    path = bundle / GRAPH_NAME
+    path = bundle / GRAPH_MANIFEST
     if not path.is_file():
         return None
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ChecklistError(f"{path}: not readable JSON ({e})") from None
+        doc = read_json(path)
+    except JsonFileError as e:
+        raise ChecklistError(f"{path}: not readable JSON ({e.problem})") from None
     if not isinstance(doc, dict) or doc.get("kind") != "k3bundle.graph_manifest":
         raise ChecklistError(f"{path}: not a k3bundle graph manifest")
     return doc
@@ -119,19 +121,19 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
     layout = load_layout(target)
     bdir = Path(bundle) if bundle is not None else None
     if bdir is not None:
-        if not (bdir / "config.json").is_file():
-            raise ChecklistError(f"{bdir}: no config.json: not a bundle (convert one with `k3bundle convert SOURCE "
+        if not (bdir / CONFIG).is_file():
+            raise ChecklistError(f"{bdir}: no {CONFIG}: not a bundle (convert one with `k3bundle convert SOURCE "
                                  f"--target {layout.name} --out {bdir}`)")
-        mpath = bdir / "manifest.json"
+        mpath = bdir / MANIFEST
         if mpath.is_file():
             try:
-                made_for = json.loads(mpath.read_text(encoding="utf-8")).get("target")
-            except (OSError, ValueError, AttributeError):
+                made_for = read_json(mpath).get("target")
+            except (JsonFileError, AttributeError):
                 made_for = None  # the conversion stage reports an unreadable manifest
             if made_for is not None and made_for != layout.name:
                 raise ChecklistError(f"{bdir} was converted for layout {made_for!r}, not {layout.name!r}; run "
                                      f"`k3bundle checklist --target {made_for} --bundle {bdir}`")
-        cfg_path = bdir / "config.json"
+        cfg_path = bdir / CONFIG
     else:
         cfg_path = Path(config) if config is not None else release_config_path()
     plan = make_plan(load_config(cfg_path), layout)

@@ -14,6 +14,7 @@ from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
 from k3bundle.checklist.roofline import Phase
 from k3bundle.checklist.stages import read_signoff
+from k3bundle.file_names import GRAPH_MANIFEST, SIGNOFF, SOAK_REPORT
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
 from k3bundle.pages.svg import Mark, stacked_bars
 
@@ -103,7 +104,7 @@ def _faults(cl: Checklist) -> str:
              esc(f.inject), esc(f.clear_error), esc(noted.get(f.key, "–"))] for f in FAULT_PATHS]
     soak = by_key["soak"]
     return (table(["", "fault", "how to inject", "a clear error path means", "evidence"], rows)
-            + f"<p>Soak (<code>reports/soak.json</code>): {badge('done' if soak.done else 'open')} "
+            + f"<p>Soak (<code>{SOAK_REPORT}</code>): {badge('done' if soak.done else 'open')} "
             + esc(soak.evidence if soak.done else soak.missing) + "</p><ul>"
             + "".join(f"<li>{esc(k.replace('_', ' '))}: {esc(r)}</li>" for k, r in SOAK_REQUIREMENTS) + "</ul>")
 
@@ -138,9 +139,9 @@ def to_html(cl: Checklist) -> str:
         "every number is a lower bound (docs/bring-up.md).</p>",
         _phase(roof.decode, "Decode (per output token)"), _phase(roof.prefill, "Prefill (to the first token)"),
         "<h2 id='kernels'>3. Kernel coverage</h2>",
-        "<p class='muted'>Primitives the target must implement (<code>graph_manifest.json</code> custom_ops), shapes "
+        f"<p class='muted'>Primitives the target must implement (<code>{GRAPH_MANIFEST}</code> custom_ops), shapes "
         "per rank (T tokens in a step, B requests, S cached tokens); conformance from the checks in "
-        "<code>reports/signoff.json</code> that exercise each op.</p>", _kernels(cl),
+        f"<code>{SIGNOFF}</code> that exercise each op.</p>", _kernels(cl),
         "<h2 id='faults'>4. Fault paths and soak</h2>", _faults(cl),
     ]
     return page(f"k3bundle checklist: {cl.target}", "\n".join(body))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3bundle.checklist.stages import read_report
+from k3bundle.file_names import KERNELS_REPORT
 
-KERNELS_REPORT = "reports/kernels.json"
 KERNELS_KIND = "k3bundle.kernel_conformance"
 
 

@@ -7,6 +7,7 @@ from k3bundle.checklist.capacity import CAPACITY_MARGIN
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
 from k3bundle.checklist.roofline import Phase
+from k3bundle.file_names import FAULTS_REPORT, GRAPH_MANIFEST, KERNELS_REPORT, REPORTS_DIR, SOAK_REPORT
 
 SECTIONS = ("Summary", "1. Capacity", "2. Roofline lower bounds", "3. Kernel coverage", "4. Fault paths and soak",
             "5. Stages (sign-off order)")
@@ -93,9 +94,9 @@ def to_markdown(cl: Checklist) -> str:
     lines += _phase(roof.decode, "Decode (per output token)")
     lines += _phase(roof.prefill, "Prefill (to the first token)")
     lines += ["## 3. Kernel coverage", "",
-              "Primitives the target must implement (`graph_manifest.json` custom_ops), shapes per rank at this layout "
-              "(T tokens in a step, B requests, S cached tokens). Op conformance: `reports/kernels.json` "
-              "(`k3bundle kernels --out BUNDLE/reports`) ticks the ops it covered and passed.", "",
+              f"Primitives the target must implement (`{GRAPH_MANIFEST}` custom_ops), shapes per rank at this layout "
+              f"(T tokens in a step, B requests, S cached tokens). Op conformance: `{KERNELS_REPORT}` "
+              f"(`k3bundle kernels --out BUNDLE/{REPORTS_DIR}`) ticks the ops it covered and passed.", "",
               "| op | decoder layers | op conformance | shapes per rank | spec |", "|---|---|---|---|---|"]
     for k in cl.kernels:
         st, ev = cl.op_conformance.get(k.op, ("open", ""))
@@ -104,15 +105,15 @@ def to_markdown(cl: Checklist) -> str:
     by_key = {s.key: s for s in cl.stages}
     fstage, sstage = by_key["fault_paths"], by_key["soak"]
     lines += ["", "## 4. Fault paths and soak", "",
-              "Each fault needs a clear error path, then re-validation (`reports/faults.json`):", "",
+              f"Each fault needs a clear error path, then re-validation (`{FAULTS_REPORT}`):", "",
               "| fault | how to inject | a clear error path means | evidence |", "|---|---|---|---|"]
     noted = {n.split(":", 1)[0]: n for n in fstage.notes}
     for f in FAULT_PATHS:
         ev = noted.get(f.key, "open")
         lines.append(f"| {_box(f.key in noted)} {f.title} (`{f.key}`) | {_cell(f.inject)} | {_cell(f.clear_error)} | "
                      f"{_cell(ev)} |")
-    lines += ["", "Soak (`reports/soak.json`): " + ("**ticked** — " + sstage.evidence if sstage.done
-                                                    else "open — " + sstage.missing), ""]
+    lines += ["", f"Soak (`{SOAK_REPORT}`): " + ("**ticked** — " + sstage.evidence if sstage.done
+                                                     else "open — " + sstage.missing), ""]
     lines += [f"- {_box(sstage.done)} {key.replace('_', ' ')}: {req}" for key, req in SOAK_REQUIREMENTS]
     lines += ["", "## 5. Stages (sign-off order)", ""]
     for i, s in enumerate(cl.stages, 1):

@@ -17,7 +17,6 @@ A stage that is not ticked says what is missing and the command that produces it
 from __future__ import annotations
 
 import io
-import json
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,15 +25,15 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from k3bundle.bundle.common import read_json
 from k3bundle.bundle.errors import BundleError
+from k3bundle.bundle.signoff import read_signoff as read_signoff_file
 from k3bundle.checklist import faults as F
+from k3bundle.errors import JsonFileError
+from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, MANIFEST,
+                                  PERFORMANCE_REPORT, SIGNOFF, SOAK_REPORT, VALIDATION_DIR)
+from k3bundle.io.strict_json import loads, read_json
 
-GOLDEN_FILES = ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml")
-SIGNOFF = "reports/signoff.json"
-PERFORMANCE, PERFORMANCE_KIND = "reports/performance.json", "k3bundle.performance"
-FAULTS, FAULTS_KIND = "reports/faults.json", "k3bundle.faults"
-SOAK, SOAK_KIND = "reports/soak.json", "k3bundle.soak"
+PERFORMANCE_KIND, FAULTS_KIND, SOAK_KIND = "k3bundle.performance", "k3bundle.faults", "k3bundle.soak"
 EVIDENCE_SCHEMA_VERSION = 1
 #: Case kinds the end-to-end stage needs (design.md "Golden, validate, sign-off").
 REQUIRED_CASE_KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
@@ -68,21 +67,21 @@ def _golden_meta(path: Path) -> dict:
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         if "__meta__" not in z.files:
             return {}
-        return json.loads(bytes(z["__meta__"]).decode())
+        return loads(bytes(z["__meta__"]), str(path))
 
 
 def read_goldens(bundle: Path) -> tuple[dict | None, str]:
     """(meta of the goldens, '') or (None, what is wrong)."""
-    vdir = bundle / "validation"
+    vdir = bundle / VALIDATION_DIR
     missing = [n for n in GOLDEN_FILES if not (vdir / n).is_file()]
     if missing:
-        return None, f"validation/ lacks {', '.join(missing)}"
+        return None, f"{VALIDATION_DIR}/ lacks {', '.join(missing)}"
     try:
-        a, b = _golden_meta(vdir / GOLDEN_FILES[0]), _golden_meta(vdir / GOLDEN_FILES[1])
-    except (OSError, ValueError, zipfile.BadZipFile, zstandard.ZstdError) as e:
-        return None, f"validation/: the golden files cannot be read ({type(e).__name__}: {e})"
+        a, b = _golden_meta(vdir / GOLDEN_INPUTS), _golden_meta(vdir / GOLDEN_INTERMEDIATES)
+    except (OSError, ValueError, JsonFileError, zipfile.BadZipFile, zstandard.ZstdError) as e:
+        return None, f"{VALIDATION_DIR}/: the golden files cannot be read ({type(e).__name__}: {e})"
     if not a.get("content_hash") or a.get("content_hash") != b.get("content_hash"):
-        return None, ("validation/: golden_inputs.npz and golden_intermediates.npz come from different runs "
+        return None, (f"{VALIDATION_DIR}/: {GOLDEN_INPUTS} and {GOLDEN_INTERMEDIATES} come from different runs "
                       f"(content hash {str(a.get('content_hash'))[:16]} vs {str(b.get('content_hash'))[:16]})")
     return b, ""
 
@@ -93,23 +92,19 @@ def read_report(bundle: Path, rel: str) -> tuple[object | None, str]:
     if not path.is_file():
         return None, f"no {rel}"
     try:
-        return json.loads(path.read_text(encoding="utf-8")), ""
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{rel}: not readable JSON ({e})"
+        return read_json(path), ""
+    except JsonFileError as e:
+        return None, f"{rel}: not readable JSON ({e.problem})"
 
 
 def read_signoff(bundle: Path) -> tuple[dict | None, str]:
-    doc, why = read_report(bundle, SIGNOFF)
-    if doc is None:
-        return None, why
-    if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("cases"), list):
-        return None, f"{SIGNOFF}: not a k3bundle sign-off report of schema version 1"
-    for i, c in enumerate(doc["cases"]):  # the stages read these fields of every case
-        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("status"), str)
-                and isinstance(c.get("results", []), list) and all(isinstance(r, dict) for r in c.get("results", []))):
-            return None, (f"{SIGNOFF}: cases[{i}] is not a case report (an object with a name, a status and a "
-                          f"list of results), got {str(c)[:60]}")
-    return doc, ""
+    """(the bundle's sign-off report, '') or (None, why it cannot tick anything)."""
+    if not (bundle / SIGNOFF).is_file():
+        return None, f"no {SIGNOFF}"
+    try:
+        return read_signoff_file(bundle / SIGNOFF), ""
+    except BundleError as e:
+        return None, str(e)
 
 
 def read_evidence(bundle: Path, rel: str, kind: str) -> tuple[dict | None, str]:
@@ -117,8 +112,8 @@ def read_evidence(bundle: Path, rel: str, kind: str) -> tuple[dict | None, str]:
     if not path.is_file():
         return None, f"no {rel}"
     try:
-        return read_json(path, kind, EVIDENCE_SCHEMA_VERSION), ""
-    except BundleError as e:
+        return read_json(path, kind=kind, version=EVIDENCE_SCHEMA_VERSION), ""
+    except JsonFileError as e:
         return None, str(e)
 
 
@@ -131,8 +126,8 @@ def _conversion(bundle: Path | None, target: str, verify_fn: Callable) -> Stage:
     if bundle is None:
         s.missing = "no bundle given (--bundle)"
         return s
-    if not (bundle / "manifest.json").is_file():
-        s.missing = f"{bundle}: no manifest.json (the conversion did not finish)"
+    if not (bundle / MANIFEST).is_file():
+        s.missing = f"{bundle}: no {MANIFEST} (the conversion did not finish)"
         s.next = f"rerun the same `k3bundle convert ... --out {bundle}` to resume it"
         return s
     try:
@@ -260,8 +255,8 @@ def _evidence_file(s: Stage, bundle: Path | None, rel: str, kind: str) -> dict |
 
 def _performance(bundle: Path | None, bounds: Callable[[int, int], tuple[float, float]]) -> Stage:
     s = Stage("performance", "performance", False,
-              next=f"measure TPOT and TTFT on the target; write {PERFORMANCE} (docs/bring-up.md)")
-    doc = _evidence_file(s, bundle, PERFORMANCE, PERFORMANCE_KIND)
+              next=f"measure TPOT and TTFT on the target; write {PERFORMANCE_REPORT} (docs/bring-up.md)")
+    doc = _evidence_file(s, bundle, PERFORMANCE_REPORT, PERFORMANCE_KIND)
     if doc is None:
         return s
     runs = doc.get("runs") or []
@@ -281,20 +276,20 @@ def _performance(bundle: Path | None, bounds: Callable[[int, int], tuple[float, 
         lines.append(f"batch {b}, context {n:,}: TPOT {tpot * 1e3:.3f} ms ({lo_tpot / tpot:.0%} of roofline), "
                      f"TTFT {ttft:.3f} s ({lo_ttft / ttft:.0%} of roofline)")
     if not runs:
-        problems.append(f"{PERFORMANCE} lists no runs")
+        problems.append(f"{PERFORMANCE_REPORT} lists no runs")
     s.notes = lines
     if problems:
         s.missing = "; ".join(problems)
     else:
         s.done = True
-        s.evidence = f"{PERFORMANCE}: {len(runs)} measured run(s), each at or above its lower bound"
+        s.evidence = f"{PERFORMANCE_REPORT}: {len(runs)} measured run(s), each at or above its lower bound"
     return s
 
 
 def _faults(bundle: Path | None) -> Stage:
     s = Stage("fault_paths", "fault paths", False,
-              next=f"inject each fault, record the outcome in {FAULTS}, re-validate (docs/bring-up.md)")
-    doc = _evidence_file(s, bundle, FAULTS, FAULTS_KIND)
+              next=f"inject each fault, record the outcome in {FAULTS_REPORT}, re-validate (docs/bring-up.md)")
+    doc = _evidence_file(s, bundle, FAULTS_REPORT, FAULTS_KIND)
     if doc is None:
         return s
     got = {e.get("fault"): e for e in doc.get("faults") or [] if isinstance(e, dict)}
@@ -315,13 +310,13 @@ def _faults(bundle: Path | None) -> Stage:
         s.missing = "; ".join(gaps)
     else:
         s.done = True
-        s.evidence = f"{FAULTS}: all {len(F.FAULT_PATHS)} faults end in a clear error and pass re-validation"
+        s.evidence = f"{FAULTS_REPORT}: all {len(F.FAULT_PATHS)} faults end in a clear error and pass re-validation"
     return s
 
 
 def _soak(bundle: Path | None) -> Stage:
-    s = Stage("soak", "soak", False, next=f"run the soak; write {SOAK} (docs/bring-up.md)")
-    doc = _evidence_file(s, bundle, SOAK, SOAK_KIND)
+    s = Stage("soak", "soak", False, next=f"run the soak; write {SOAK_REPORT} (docs/bring-up.md)")
+    doc = _evidence_file(s, bundle, SOAK_REPORT, SOAK_KIND)
     if doc is None:
         return s
     gaps = []
@@ -342,7 +337,7 @@ def _soak(bundle: Path | None) -> Stage:
         s.missing = "; ".join(gaps)
     else:
         s.done = True
-        s.evidence = (f"{SOAK}: {hours} h, host +{host:,} B, device +{dev:,} B, {checks} golden re-checks pass, "
+        s.evidence = (f"{SOAK_REPORT}: {hours} h, host +{host:,} B, device +{dev:,} B, {checks} golden re-checks pass, "
                       "no hang")
     return s
 

@@ -1,4 +1,4 @@
-"""``k3bundle run``: run the built-in executor on a source checkpoint (greedy decode)."""
+"""``k3bundle run``: run the built-in executor on a source checkpoint or a bundle (greedy decode)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import typer
 
 from k3bundle.cli._common import JsonOpt, Output
-from k3bundle.executor import POLICIES, Executor, ExecutorError, SourceWeights
+from k3bundle.bundle.open_weights import open_weights
+from k3bundle.executor import POLICIES, Executor, ExecutorError
 
 EXAMPLES = [
     "k3bundle run /tmp/k3-tiny --ids 1,2,3",
@@ -31,7 +32,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(
-    source: Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + safetensors shards).")],
+    source: Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + safetensors shards) "
+                                                  "or a bundle (its ranks merged).")],
     ids: Annotated[str, typer.Option("--ids", help="Prompt token ids, comma-separated.")],
     steps: Annotated[int, typer.Option(help="Greedy tokens to generate after the prompt.")] = 4,
     dtype: Annotated[str, typer.Option(help="float32 (golden), bfloat16 (device emulation) or float64.")] = "float32",
@@ -47,7 +49,7 @@ def run(
     if steps < 0:
         raise ExecutorError(f"--steps must be >= 0, got {steps}")
     prompt = _parse_ids(ids)
-    weights = SourceWeights(source, dtype=dtype, device=device, resident=resident)
+    weights = open_weights(source, dtype, device, resident=resident)
     gen = Executor(weights).generate(prompt, steps)
 
     rows = gen.step_logits if steps else gen.prefill_logits[-1:]

@@ -9,6 +9,7 @@ import typer
 
 from k3bundle.check.verify import LEVELS
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
+from k3bundle.file_names import REPORTS_DIR
 from k3bundle.validate.report import remove_reports, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.sources import open_device
@@ -41,7 +42,7 @@ def validate(
         raise typer.BadParameter(f"--verify must be one of {', '.join(LEVELS)}, got {verify!r}")
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
-    reports = out or bundle / "reports"
+    reports = out or bundle / REPORTS_DIR
     try:
         dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
                           rank_results=rank_results, backend=backend)

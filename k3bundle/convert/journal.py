@@ -21,8 +21,9 @@ from pathlib import Path
 from k3bundle.io.files import sha256_file
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.unit import UnitResult, disk_error
-
-JOURNAL = ".k3bundle-convert.journal"
+from k3bundle.errors import JsonFileError
+from k3bundle.file_names import CONVERT_JOURNAL as JOURNAL
+from k3bundle.io.strict_json import loads
 
 
 class Journal:
@@ -45,8 +46,8 @@ class Journal:
 
     def _load(self, out: Path, lines: list[str]) -> None:
         try:
-            head = json.loads(lines[0])
-        except json.JSONDecodeError:
+            head = loads(lines[0], str(self.path))
+        except JsonFileError:
             head = {}
         if head.get("plan_id") != self.plan_id:
             self.close()
@@ -54,8 +55,8 @@ class Journal:
                                "options differ); use another --out, or --force to start over")
         for line in lines[1:]:
             try:
-                e = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
+                e = loads(line, str(self.path))
+            except JsonFileError:  # a line cut short by a kill
                 continue
             if "files" in e:
                 self.files.update(e["files"])
@@ -120,8 +121,8 @@ def recorded(out: Path) -> tuple[str | None, set[str]]:
     plan, paths = None, set()
     for i, line in enumerate(lines):
         try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
+            e = loads(line, str(out / JOURNAL))
+        except JsonFileError:
             continue
         if not isinstance(e, dict):
             continue

@@ -10,9 +10,9 @@ from k3bundle import __version__
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.manifest import MANIFEST_KIND, MANIFEST_SCHEMA_VERSION
 from k3bundle.convert.sources import SourceFiles
+from k3bundle.file_names import DEVICE_DIR, LAYOUT
 from k3bundle.io.files import sha256_file
 from k3bundle.plan import Plan
-from k3bundle.plan.files import DEVICE_DIR
 from k3bundle.plan.storage import storage_format
 from k3bundle.schema import Format, Role
 from k3bundle.schema.roles import Scope
@@ -52,7 +52,7 @@ def build_manifest(plan: Plan, files: SourceFiles, read: dict[str, tuple[str, in
             "checked_against_source_json": files.doc is not None,
             "files": _source_files(files, read),
         },
-        "layout": {"path": "device_weights/layout.yaml",
+        "layout": {"path": LAYOUT,
                    "sha256": plan.layout.sha256, "resolved": plan.layout.to_dict()},
         "options": {"target": plan.layout.name, "text_prefix": plan.schema.prefix},
         "plan": {"world": len(plan.ranks), "rank_weight_bytes": plan.rank_bytes,

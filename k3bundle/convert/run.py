@@ -41,23 +41,22 @@ from pathlib import Path
 
 from k3bundle import __version__
 from k3bundle.bundle.common import json_bytes
-from k3bundle.bundle.graph import GRAPH_NAME, graph_manifest
-from k3bundle.bundle.index import INDEX_NAME
+from k3bundle.bundle.graph import graph_manifest
 from k3bundle.bundle.index_writer import write_index
-from k3bundle.bundle.manifest import MANIFEST_NAME
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal, recorded
 from k3bundle.convert.manifest import build_manifest, convention_file
 from k3bundle.convert.sources import SourceFiles
 from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, disk_error, run_unit
-from k3bundle.io import INDEX_NAME as SOURCE_INDEX
+from k3bundle.errors import JsonFileError
+from k3bundle.file_names import CONFIG, DEVICE_DIR, GRAPH_MANIFEST, LAYOUT, MANIFEST, SOURCE_INDEX, WEIGHTS_INDEX
 from k3bundle.io.files import TEMP_SUFFIX, link_in_path, sha256_file, write_atomic
+from k3bundle.io.strict_json import read_json
 from k3bundle.layouts import load_layout
 from k3bundle.plan import Plan, plan_for_source
-from k3bundle.plan.files import DEVICE_DIR, shard_files
+from k3bundle.plan.files import shard_files
 from k3bundle.source import SourceCheckpoint
 
-LAYOUT_PATH = f"{DEVICE_DIR}/layout.yaml"
 SKIP_SPACE_CHECK_ENV = "K3BUNDLE_SKIP_SPACE_CHECK"  # test hook: exercise a real ENOSPC mid-write
 
 Progress = Callable[[int, int, str], None]
@@ -81,7 +80,7 @@ class ConvertResult:
 def plan_id(plan: Plan, files: SourceFiles) -> str:
     """What a partial bundle must match to be resumed: version, layout, config, index, source.json."""
     doc = {"k3bundle_version": __version__, "layout": plan.layout.to_dict(), "prefix": plan.schema.prefix,
-           "config": hashlib.sha256(files.read_small("config.json")).hexdigest(),
+           "config": hashlib.sha256(files.read_small(CONFIG)).hexdigest(),
            "index": hashlib.sha256(files.read_small(SOURCE_INDEX)).hexdigest(),
            "source_json": files.source_json_digest()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -116,13 +115,13 @@ def _refuse_links(out: Path, paths: list[str]) -> None:
 
 def _ours(out: Path) -> set[str]:
     """Every path the bundle's manifest or journal lists, plus those two files themselves."""
-    paths = {MANIFEST_NAME, JOURNAL}
-    if (out / MANIFEST_NAME).is_file():
+    paths = {MANIFEST, JOURNAL}
+    if (out / MANIFEST).is_file():
         try:
-            listed = json.loads((out / MANIFEST_NAME).read_bytes())["files"]
+            listed = read_json(out / MANIFEST)["files"]
             paths.update(f["path"] for f in listed)
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ConvertError(f"{out / MANIFEST_NAME}: unreadable, so --force cannot tell k3bundle's files from "
+        except (JsonFileError, KeyError, TypeError):
+            raise ConvertError(f"{out / MANIFEST}: unreadable, so --force cannot tell k3bundle's files from "
                                "others; remove the folder yourself or choose another --out") from None
     paths.update(recorded(out)[1])
     return {p for p in paths if isinstance(p, str) and not Path(p).is_absolute() and ".." not in Path(p).parts}
@@ -161,8 +160,8 @@ def _open_out(out: Path, pid: str, force: bool, planned: list[str]) -> Journal:
     ``manifest.json`` (resume: units re-verified, the rest rewritten); a journal of another plan or a
     complete bundle (refused, or with ``--force`` replaced: only listed files are removed); anything
     else is the user's folder and is refused."""
-    _refuse_links(out, [JOURNAL, MANIFEST_NAME, *planned])
-    has_journal, has_manifest = (out / JOURNAL).exists(), (out / MANIFEST_NAME).exists()
+    _refuse_links(out, [JOURNAL, MANIFEST, *planned])
+    has_journal, has_manifest = (out / JOURNAL).exists(), (out / MANIFEST).exists()
     if any(out.iterdir()):
         if not (has_journal or has_manifest):
             raise ConvertError(f"{out}: not empty and not a k3bundle bundle; choose an empty or new --out")
@@ -348,7 +347,7 @@ def convert(source: str | Path, target: str, out: str | Path, workers: int = 1, 
 
 def _small_files(files: SourceFiles) -> list[str]:
     """The files written after the units, in order; ``manifest.json`` comes after all of them."""
-    return [c.dest for c in files.copies] + [LAYOUT_PATH, INDEX_NAME, GRAPH_NAME]
+    return [c.dest for c in files.copies] + [LAYOUT, WEIGHTS_INDEX, GRAPH_MANIFEST]
 
 
 def _write_final(out: Path, rel: str, data: bytes) -> tuple[str, int]:
@@ -401,16 +400,16 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
             bundle_files[path] = (sha, size)
     for c in files.copies:
         bundle_files[c.dest] = _write_final(out, c.dest, files.read_small(c.source))
-    bundle_files[LAYOUT_PATH] = _write_final(out, LAYOUT_PATH, plan.layout.to_yaml())
+    bundle_files[LAYOUT] = _write_final(out, LAYOUT, plan.layout.to_yaml())
     quant_path, quant_bytes = convention_file(plan)  # the device weights' quantization, in the convention's file
     bundle_files[quant_path] = _write_final(out, quant_path, quant_bytes)
     shard_digests = {s: {"sha256": results[s].sha256, "size": results[s].size} for s in plan.shards}
     try:  # streamed: the full model's index is too big to build in memory first
-        write_index(out / INDEX_NAME, plan, shard_digests)
-        bundle_files[INDEX_NAME] = sha256_file(out / INDEX_NAME)
+        write_index(out / WEIGHTS_INDEX, plan, shard_digests)
+        bundle_files[WEIGHTS_INDEX] = sha256_file(out / WEIGHTS_INDEX)
     except OSError as e:
-        raise disk_error(e, INDEX_NAME) from None
-    bundle_files[GRAPH_NAME] = _write_final(out, GRAPH_NAME, json_bytes(graph_manifest(plan)))
+        raise disk_error(e, WEIGHTS_INDEX) from None
+    bundle_files[GRAPH_MANIFEST] = _write_final(out, GRAPH_MANIFEST, json_bytes(graph_manifest(plan)))
 
     source_hashes = {s: (d["sha256"], d["size"]) for s, d in shard_digests.items()}
     for name in [SOURCE_INDEX] + [c.source for c in files.copies]:
@@ -418,7 +417,7 @@ def _convert(plan: Plan, src: SourceCheckpoint, files: SourceFiles, source: Path
     requantized = sorted((q for r in results.values() for q in r.nvfp4_requantized), key=lambda q: q["source_key"])
     manifest = build_manifest(plan, files, source_hashes, bundle_files, requantized)
     data = json_bytes(manifest)
-    _write_final(out, MANIFEST_NAME, data)
+    _write_final(out, MANIFEST, data)
     journal.remove()  # after the manifest: a kill in between leaves a resumable state, never neither
     return ConvertResult(out, plan.layout.name, len(plan.ranks), len(bundle_files),
                          sum(s for _, s in bundle_files.values()), total, len(plan.shards), reused,

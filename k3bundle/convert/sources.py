@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3bundle.convert.errors import ConvertError
-
-SOURCE_JSON = "source.json"
+from k3bundle.errors import JsonFileError
+from k3bundle.file_names import CONFIG, SOURCE_RECORD as SOURCE_JSON
+from k3bundle.io.strict_json import read_json
 
 #: (pattern, bundle directory, required)
 COPY_RULES: tuple[tuple[str, str, bool], ...] = (
-    ("config.json", "", True),
+    (CONFIG, "", True),
     ("tiktoken.model", "tokenizer", True),
     ("tokenizer_config.json", "tokenizer", True),
     ("generation_config.json", "tokenizer", False),
@@ -51,9 +51,9 @@ def read_source_json(directory: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: not a readable JSON file: {e}") from None
+        doc = read_json(path)
+    except JsonFileError as e:
+        raise ConvertError(str(e)) from None
     if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("files"), list):
         raise ConvertError(f"{path}: not a k3bundle source.json (schema_version 1 with a files list)")
     if doc.get("complete") is False:

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from k3bundle import __version__
-from k3bundle.executor import SourceWeights
-from k3bundle.executor.weights import resident_budget
+from k3bundle.bundle.open_weights import open_weights, weights_kind
 from k3bundle.executor.case import case_steps, replay_args, run_case, run_cases
 from k3bundle.executor.model import drive_lockstep
 from k3bundle.executor.kda import CHUNK
 from k3bundle.config import load_config
+from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES, MANIFEST,
+                                  VALIDATION_DIR)
 from k3bundle.golden.cases import Case, check_context, check_long_tokens, load_cases
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
@@ -48,19 +49,6 @@ class GoldenResult:
     bytes_intermediates: int
     peak_device_bytes: int = 0  # CUDA: the allocator's peak; CPU: the process's peak RSS
     weights: str = "resident"  # "resident" or "streamed" (read ahead one layer: SourceWeights(prefetch))
-
-
-def streamed_weights(source: Path, dtype: str, device: str) -> bool:
-    """True where a checkpoint's non-expert tensors in ``dtype`` exceed the resident budget of
-    ``device`` (``resident_budget``): the real model's 57 B non-expert parameters are 227 GB in
-    float32, more than any one GPU holds, so they stream one layer ahead instead."""
-    from k3bundle.schema import Schema
-
-    cfg = load_config(source)
-    t, totals = cfg.text, Schema(cfg).totals
-    experts = len(t.moe_layers) * t.num_experts * 3 * t.moe_intermediate_size * t.routed_expert_hidden_size
-    esize = 8 if dtype == "float64" else 4
-    return (totals.text_params - experts) * esize > resident_budget(device, dtype)
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -130,21 +118,8 @@ def bf16_added_noise(bf16, arrays: dict, ids: list[int]) -> dict[str, np.ndarray
 def manifest_digest(path: Path) -> str | None:
     """sha256 of a bundle's manifest.json (None for a checkpoint): which bundle's weights the
     goldens were made from, so validate knows when its exact check applies."""
-    m = Path(path) / "manifest.json"
+    m = Path(path) / MANIFEST
     return sha256_file(m)[0] if m.is_file() else None
-
-
-def _bf16_twin(source: Path, device: str):
-    """The same weights under the bfloat16 policy (validate's built-in device), for the noise run."""
-    if (source / "manifest.json").is_file():
-        from k3bundle.bundle.weights import BundleWeights
-
-        return BundleWeights(source, dtype="bfloat16", device=device,
-                             resident_bytes=resident_budget(device, "bfloat16"))
-    return SourceWeights(source, dtype="bfloat16", device=device, resident=True)
-
-
-GOLDEN_FILES = ("golden_intermediates.npz", "golden_inputs.npz", "tolerances.yaml")
 
 
 def _refuse_links(out: Path) -> None:
@@ -160,9 +135,9 @@ def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> N
     _refuse_links(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_npz(out / "golden_intermediates.npz", inter, compress=True)
-        write_npz(out / "golden_inputs.npz", inputs)
-        write_atomic(out / "tolerances.yaml", tolerances)
+        write_npz(out / GOLDEN_INTERMEDIATES, inter, compress=True)
+        write_npz(out / GOLDEN_INPUTS, inputs)
+        write_atomic(out / GOLDEN_TOLERANCES, tolerances)
     except OSError as e:
         raise GoldenFileError(f"{out}: cannot write the goldens: {e.strerror or e}; free space and rerun") from None
 
@@ -186,7 +161,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     if schedule not in ("auto", "case", "layer"):
         raise GoldenFileError(f"schedule must be auto, case or layer, not {schedule!r}")
     source = Path(source)
-    out = Path(out) if out else source / "validation"
+    weights_kind(source)  # a path that is neither a bundle nor a checkpoint is refused before anything else
+    out = Path(out) if out else source / VALIDATION_DIR
     _refuse_links(out)
     torch.manual_seed(seed)
     # goldens are exact float32/float64 arithmetic: no TF32 shortcuts on GPUs (cuBLAS, cuDNN)
@@ -198,18 +174,13 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     tol_file = tolerance_path(tolerance)
     load_tolerances(tol_file)  # the file the goldens will carry is checked before any work
     encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
-    if (source / "manifest.json").is_file():  # a bundle: its device weights, every rank merged
-        from k3bundle.bundle.weights import BundleWeights
-
-        weights = BundleWeights(source, dtype=dtype, device=device, resident_bytes=resident_budget(device, dtype))
-    else:
-        stream = streamed_weights(source, dtype, device)
-        weights = SourceWeights(source, dtype=dtype, device=device, resident=not stream, prefetch=stream)
+    weights = open_weights(source, dtype, device, resident=None)  # a checkpoint too big to keep streams
     if weights.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(weights.device)
     if schedule == "auto":
         schedule = "layer" if getattr(weights, "prefetch", False) else "case"
-    bf16 = _bf16_twin(source, device) if noise else None
+    # the same weights under the bfloat16 policy (validate's built-in device), for the noise run
+    bf16 = open_weights(source, "bfloat16", device) if noise else None
 
     inputs: dict[str, np.ndarray] = {}
     inter: dict[str, np.ndarray] = {}
@@ -272,5 +243,5 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     timed = [{**c, "seconds": seconds[c["name"]]} if c["name"] in seconds else c for c in summary]
     if "all" in seconds:  # layer-major: one time for every case together
         timed = [{**c, "seconds_all_cases": seconds["all"]} if c.get("status") == "ok" else c for c in timed]
-    return GoldenResult(out, timed, digest, (out / "golden_intermediates.npz").stat().st_size,
+    return GoldenResult(out, timed, digest, (out / GOLDEN_INTERMEDIATES).stat().st_size,
                         _peak_bytes(weights.device), "streamed" if getattr(weights, "prefetch", False) else "resident")

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 import zstandard
 
+from k3bundle.errors import JsonFileError
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.io.files import write_atomic
+from k3bundle.io.strict_json import loads
 
 META_KEY = "__meta__"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -62,9 +64,9 @@ def read_meta(arrays: dict[str, np.ndarray]) -> dict:
     if META_KEY not in arrays:
         return {}
     try:
-        meta = json.loads(bytes(arrays[META_KEY]).decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise GoldenFileError(f"golden metadata {META_KEY!r} is not JSON: {e}") from None
+        meta = loads(bytes(arrays[META_KEY]), META_KEY)
+    except JsonFileError as e:
+        raise GoldenFileError(f"golden metadata {META_KEY!r} is not JSON: {e.problem}") from None
     if not isinstance(meta, dict):
         raise GoldenFileError(f"golden metadata {META_KEY!r} is not a JSON object")
     return meta

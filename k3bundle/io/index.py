@@ -13,13 +13,14 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from k3bundle.errors import SafetensorsError
-from k3bundle.io.files import file_kind, open_regular, relpath_problem, write_atomic
+from k3bundle.errors import JsonFileError, SafetensorsError
+from k3bundle.file_names import SOURCE_INDEX as INDEX_NAME
+from k3bundle.io.files import file_kind, relpath_problem, write_atomic
 from k3bundle.io.reader import SafetensorsHeader, read_header
+from k3bundle.io.strict_json import read_json
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-INDEX_NAME = "model.safetensors.index.json"
 
 #: How many problems ``check_index`` quotes in its one-line error.
 MAX_EXAMPLES = 5
@@ -53,15 +54,6 @@ def _index_path(path: PathLike) -> str:
     return os.path.join(name, INDEX_NAME) if os.path.isdir(name) else name
 
 
-def _unique_pairs(pairs: list) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key '{key}'")
-        out[key] = value
-    return out
-
-
 def check_shard_name(name: object) -> str:
     """Why a shard filename is unsafe, or '' if it is a plain relative name.
 
@@ -93,14 +85,12 @@ def read_index(path: PathLike) -> SafetensorsIndex:
     """
     name = _index_path(path)
     try:
-        with os.fdopen(open_regular(name), "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"), object_pairs_hook=_unique_pairs)
-    except FileNotFoundError:
-        raise SafetensorsError(f"{name}: index file not found") from None
-    except OSError as e:
-        raise SafetensorsError(f"{name}: cannot read the index: {e.strerror}") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SafetensorsError(f"{name}: not a valid JSON index: {e}") from None
+        obj = read_json(name)
+    except JsonFileError as e:
+        if e.cause == "missing":
+            raise SafetensorsError(f"{name}: index file not found") from None
+        raise SafetensorsError(f"{name}: {e.problem}" if e.cause == "unreadable"
+                               else f"{name}: not a valid JSON index: {e.problem}") from None
     if not isinstance(obj, dict):
         raise SafetensorsError(f"{name}: index is not a JSON object")
     metadata, weight_map = obj.get("metadata"), obj.get("weight_map")

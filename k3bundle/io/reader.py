@@ -35,9 +35,10 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from k3bundle.errors import SafetensorsError
+from k3bundle.errors import JsonFileError, SafetensorsError
 from k3bundle.io.dtypes import SAFETENSORS_DTYPES, tensor_nbytes
 from k3bundle.io.files import open_regular
+from k3bundle.io.strict_json import dotted, loads
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -113,20 +114,10 @@ class SafetensorsHeader:
         return self.file_size - self.data_start
 
 
-class _Pairs(list):
-    """A JSON object kept as its (key, value) pairs, so duplicates survive parsing."""
-
-
 def _json_type(value: object) -> str:
     """A parsed JSON value's type in JSON's words (never a Python class name)."""
-    if isinstance(value, _Pairs):
-        return "an object"
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-            type(None): "null"}.get(type(value), "a value")
-
-
-def _reject_constant(token: str) -> None:
-    raise ValueError(f"non-standard JSON constant {token}")
+            dict: "an object", type(None): "null"}.get(type(value), "a value")
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
@@ -150,39 +141,23 @@ def _is_uint(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _parse_json(path: str, raw: bytes) -> _Pairs:
+def _parse_json(path: str, raw: bytes) -> dict:
     if not raw.startswith(b"{"):
         raise SafetensorsError(f"{path}: header does not start with '{{' (first byte {raw[:1]!r})")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SafetensorsError(f"{path}: header is not valid UTF-8 at byte {e.start}") from None
-    try:
-        obj = json.loads(text, object_pairs_hook=_Pairs, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise SafetensorsError(
-            f"{path}: header is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
-    except ValueError as e:
-        raise SafetensorsError(f"{path}: header is not valid JSON: {e}") from None
-    if not isinstance(obj, _Pairs):
-        raise SafetensorsError(f"{path}: header is not a JSON object")
-    return obj
+        return loads(raw, path)  # a JSON object: it starts with '{'
+    except JsonFileError as e:
+        if e.key is None:
+            raise SafetensorsError(f"{path}: header: {e.problem}") from None
+        at = e.at
+        where = ("header" if not at else "__metadata__" if at == ("__metadata__",)
+                 else f"tensor {at[0]!r}" + (f" at {dotted(at[1:])}" if at[1:] else ""))
+        raise SafetensorsError(f"{path}: duplicate key {e.key!r} in {where}") from None
 
 
-def _unique(path: str, pairs: _Pairs, what: str) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise SafetensorsError(f"{path}: duplicate key '{key}' in {what}")
-        out[key] = value
-    return out
-
-
-def _metadata(path: str, value: object) -> dict[str, str]:
-    if not isinstance(value, _Pairs):
+def _metadata(path: str, meta: object) -> dict[str, str]:
+    if not isinstance(meta, dict):
         raise SafetensorsError(f"{path}: __metadata__ is not a JSON object")
-    meta = _unique(path, value, "__metadata__")
     for key, item in meta.items():
         if not isinstance(item, str):
             raise SafetensorsError(
@@ -193,9 +168,9 @@ def _metadata(path: str, value: object) -> dict[str, str]:
 
 def _entry(path: str, name: str, value: object, data_start: int) -> TensorInfo:
     where = f"{path}: tensor '{name}'"
-    if not isinstance(value, _Pairs):
+    if not isinstance(value, dict):
         raise SafetensorsError(f"{where} entry is not a JSON object")
-    fields = _unique(path, value, f"tensor '{name}'")
+    fields = value
     for field in fields:
         if field not in _ENTRY_FIELDS:
             raise SafetensorsError(f"{where} has unknown field '{field}'")
@@ -253,15 +228,11 @@ def _parse_header(fd: int, path: str, file_size: int, max_header_bytes: int) -> 
         raise SafetensorsError(
             f"{path}: header length {n} runs past the end of the file ({file_size} bytes)"
         )
-    pairs = _parse_json(path, _pread_exact(fd, n, 8, path))
+    header = _parse_json(path, _pread_exact(fd, n, 8, path))
     data_start = 8 + n
     metadata: dict[str, str] = {}
     tensors: dict[str, TensorInfo] = {}
-    seen: set[str] = set()
-    for key, value in pairs:
-        if key in seen:
-            raise SafetensorsError(f"{path}: duplicate key '{key}' in header")
-        seen.add(key)
+    for key, value in header.items():
         if key == "__metadata__":
             metadata = _metadata(path, value)
         else:

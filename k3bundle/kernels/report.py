@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from k3bundle.file_names import KERNELS_STEM
 from k3bundle.io.files import write_atomic
+from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.kernels.conformance import CaseResult, Conformance
 from k3bundle.pages.html import badge, esc, meta, page, sci, table
-
-REPORT_NAME = "kernels"  # reports/kernels.json is what `checklist --bundle` reads
 
 
 
@@ -84,8 +84,8 @@ def to_html(r: Conformance) -> str:
 def save(r: Conformance, out: Path) -> list[Path]:
     """kernels.md, kernels.json and kernels.html in ``out`` (each written atomically)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{REPORT_NAME}.md", out / f"{REPORT_NAME}.json", out / f"{REPORT_NAME}.html"]
+    paths = [out / f"{KERNELS_STEM}.{ext}" for ext in ("md", "json", "html")]  # checklist --bundle reads the .json
     write_atomic(paths[0], to_markdown(r))
-    write_atomic(paths[1], json.dumps(r.to_dict(), indent=2, sort_keys=True) + "\n")
+    write_atomic(paths[1], json.dumps(nonfinite_as_text(r.to_dict()), indent=2, sort_keys=True) + "\n")
     write_atomic(paths[2], to_html(r))
     return paths

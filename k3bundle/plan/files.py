@@ -17,11 +17,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from k3bundle.file_names import DEVICE_DIR
 from k3bundle.io import build_header
 from k3bundle.plan.placement import Plan, Target
 from k3bundle.plan.storage import DevicePart
-
-DEVICE_DIR = "device_weights"
 
 
 @dataclass(frozen=True, slots=True)

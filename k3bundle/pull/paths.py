@@ -14,10 +14,10 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from k3bundle.file_names import SOURCE_RECORD as SOURCE_JSON
 from k3bundle.io.files import relpath_problem
 from k3bundle.pull.errors import PullError
 
-SOURCE_JSON = "source.json"
 STATE_FILE = ".k3bundle-pull.json"
 PART_SUFFIX = ".part"
 BAD_SUFFIX = ".bad"

@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k3bundle import __version__
+from k3bundle.errors import JsonFileError
 from k3bundle.io.files import write_atomic
+from k3bundle.io.strict_json import read_json
 from k3bundle.pull.errors import PullError
 from k3bundle.pull.paths import SOURCE_JSON, check_name
 
@@ -90,14 +92,9 @@ def read_source(path: str | Path) -> SourceRecord:
     if path.is_dir():
         path = path / SOURCE_JSON
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PullError(f"{path}: not found; run `k3bundle pull` first") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PullError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
-        got = d.get("schema_version") if isinstance(d, dict) else type(d).__name__
-        raise PullError(f"{path}: schema_version {got!r}, this k3bundle reads {SCHEMA_VERSION}")
+        d = read_json(path, version=SCHEMA_VERSION)
+    except JsonFileError as e:
+        raise PullError(f"{path}: not found; run `k3bundle pull` first" if e.cause == "missing" else str(e)) from None
 
     def bad(msg: str) -> PullError:
         return PullError(f"{path}: {msg}")
@@ -138,7 +135,7 @@ def read_source(path: str | Path) -> SourceRecord:
 def is_ours(path: Path) -> bool:
     """True if ``path`` is a source.json that k3bundle wrote (safe to replace)."""
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        d = read_json(path)
+    except JsonFileError:
         return False
     return isinstance(d, dict) and {"schema_version", "k3bundle_version", "kind", "files"} <= d.keys()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from k3bundle.pull.hub import list_hub
 from k3bundle.pull.local import copy_file, hash_in_place, list_local, local_license
 from k3bundle.pull.paths import SOURCE_JSON, check_collisions, check_name, selected, target_path
 from k3bundle.io.files import fsync_dir
+from k3bundle.io.strict_json import read_json
 from k3bundle.pull.record import SourceRecord, is_ours, write_source
 from k3bundle.pull.state import PullState
 
@@ -180,7 +180,7 @@ def pull_local(src: str | Path, out: str | Path | None = None, *, include: Seque
     if in_place:
         sj = root / SOURCE_JSON
         if sj.exists() and is_ours(sj):
-            prev = json.loads(sj.read_text(encoding="utf-8"))
+            prev = read_json(sj)
             if prev.get("kind") == "hub":
                 raise PullError(f"{sj}: records a Hub pull of {prev.get('repo_id')}@{prev.get('commit')}; an "
                                 f"in-place local pull would replace it. Re-check with `k3bundle pull "

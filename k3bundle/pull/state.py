@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3bundle.pull.paths import STATE_FILE
+from k3bundle.errors import JsonFileError
 from k3bundle.io.files import write_atomic
+from k3bundle.io.strict_json import read_json
 
 STATE_VERSION = 1
 
@@ -45,11 +47,11 @@ class PullState:
         self._lock = threading.Lock()
         self._files: dict[str, Verified] = {}
         try:
-            d = json.loads(self.path.read_text(encoding="utf-8"))
+            d = read_json(self.path)
             if d.get("version") == STATE_VERSION:
                 for k, v in d.get("files", {}).items():
                     self._files[k] = Verified(**v)
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (JsonFileError, TypeError, AttributeError):
             self._files = {}  # missing or unreadable: start over, files get re-hashed once
 
     def get(self, name: str) -> Verified | None:

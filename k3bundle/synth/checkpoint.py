@@ -21,6 +21,7 @@ from pathlib import Path
 
 from k3bundle.config import parse_config
 from k3bundle.errors import SynthError
+from k3bundle.file_names import CONFIG, SOURCE_INDEX
 from k3bundle.io import write_index, write_safetensors
 from k3bundle.presets import preset_config_dict, preset_weights
 from k3bundle.schema import Schema
@@ -53,7 +54,7 @@ def _json_text(obj) -> str:
 def _side_files(cfg: dict) -> dict[str, str]:
     vision = cfg.get("vision_config") or {}
     return {
-        "config.json": _json_text(cfg),
+        CONFIG: _json_text(cfg),
         "generation_config.json": _json_text({  # release defaults (spec §2.1)
             "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
             "temperature": 1.0, "top_p": 1.0}),
@@ -121,7 +122,7 @@ def write_synthetic(out: str | Path, preset: str = "tiny", seed: int = 0, force:
             count += len(specs)
             files.append(shard)
         write_index(stage, weight_map, total)
-        files.append("model.safetensors.index.json")
+        files.append(SOURCE_INDEX)
         if progress:
             progress(n, n, "")
 

@@ -25,6 +25,7 @@ import torch
 from k3bundle.executor import Executor
 from k3bundle.executor.case import replay_case
 from k3bundle.executor.taps import tap_kind
+from k3bundle.file_names import GOLDEN_INPUTS
 from k3bundle.golden.store import as_tensor
 from k3bundle.validate.dumps import check_dumps, read_dump
 
@@ -137,7 +138,7 @@ def exact_applies(source: Path | None, validation: Path, device) -> tuple[str, s
 
     if source is None:
         return "not run: the device has no weights path", None
-    meta = read_meta(read_npz(Path(validation) / "golden_inputs.npz"))
+    meta = read_meta(read_npz(Path(validation) / GOLDEN_INPUTS))
     digest = manifest_digest(source)
     if digest is not None:
         if meta.get("weights_manifest_sha256") != digest:

@@ -7,34 +7,31 @@ changed or whose value moved by more than ``rel`` of the larger of the two.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3bundle.bundle.errors import BundleError
+from k3bundle.bundle.signoff import read_signoff
+from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAME
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
 from k3bundle.pages.svg import Axis, Limit, Series, line_chart, y_range
 from k3bundle.validate.errors import ValidateError
-
-SIGNOFF = "signoff.json"
 
 
 def load_signoff(path: str | Path) -> tuple[Path, dict]:
     """A ``signoff.json``, given itself, the reports folder holding it or the bundle holding that."""
     p = Path(path)
-    for cand in (p, p / SIGNOFF, p / "reports" / SIGNOFF):
+    for cand in (p, p / SIGNOFF_NAME, p / REPORTS_DIR / SIGNOFF_NAME):
         if cand.is_file():
             break
     else:
-        raise ValidateError(f"{p}: no {SIGNOFF} here, in {p / SIGNOFF} or in {p / 'reports' / SIGNOFF}; "
-                            "run `k3bundle validate BUNDLE` first")
+        raise ValidateError(f"{p}: no {SIGNOFF_NAME} here, in {p / SIGNOFF_NAME} or in "
+                            f"{p / REPORTS_DIR / SIGNOFF_NAME}; run `k3bundle validate BUNDLE` first")
     try:
-        doc = json.loads(cand.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValidateError(f"{cand}: not readable JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("schema_version") != 1 or not isinstance(doc.get("cases"), list):
-        raise ValidateError(f"{cand}: not a k3bundle sign-off report of schema version 1")
-    return cand, doc
+        return cand, read_signoff(cand)
+    except BundleError as e:
+        raise ValidateError(str(e)) from None
 
 
 def _num(v) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 from k3bundle import __version__
 from k3bundle.config import load_config
 from k3bundle.errors import K3Error
+from k3bundle.file_names import CONFIG
 from k3bundle.golden.tolerances import METRICS
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
@@ -26,7 +27,7 @@ MLA_BAND = "#eef1f8"
 
 def layer_types(bundle: str) -> list[tuple[str, str]] | None:
     """[(mixer, ffn)] per layer — ("KDA" | "MLA", "MoE" | "dense") — from the bundle's config."""
-    path = Path(bundle) / "config.json"
+    path = Path(bundle) / CONFIG
     if not path.is_file():
         return None
     try:

@@ -7,28 +7,22 @@ case names its first failing layer and tap. The HTML page is ``validate.html``.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from k3bundle import __version__
+from k3bundle.bundle.signoff import SIGNOFF_SCHEMA_VERSION
+from k3bundle.file_names import SIGNOFF_NAMES
 from k3bundle.io.files import write_atomic
+from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.html import tie_text, to_html
 from k3bundle.validate.margin import NEAR, margins, show, show_use
 
-SCHEMA_VERSION = 1
-
-
-def _clean(v):
-    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
-        return str(v)
-    return v
 
 
 def _result(r) -> dict:
     return {"tap": r.tap, "layer": r.layer, "mode": r.mode, "passed": r.passed,
-            "values": {k: _clean(v) for k, v in r.values.items()}, "limits": r.limits,
-            "min_required": {k: _clean(v) for k, v in r.min_required.items()}, "nonfinite": r.nonfinite}
+            "values": r.values, "limits": r.limits, "min_required": r.min_required, "nonfinite": r.nonfinite}
 
 
 def to_json(rep) -> dict:
@@ -48,15 +42,16 @@ def to_json(rep) -> dict:
                 "state_drift_limits": c.drift_limits,
                 "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
-                "margins": [{k: _clean(v) for k, v in m.as_dict().items()} for m in margins(c, rep.tolerances)],
+                "margins": [m.as_dict() for m in margins(c, rep.tolerances)],
             })
         cases.append(d)
-    return {"schema_version": SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
+    return nonfinite_as_text({  # "nan" / "inf" as text: the sign-off stays JSON the strict reader takes
+            "schema_version": SIGNOFF_SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
             "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases,
-            "nonfinite": rep.nonfinite()}
+            "nonfinite": rep.nonfinite()})
 
 
 def to_markdown(rep) -> str:
@@ -123,14 +118,11 @@ def margin_table(rows) -> list[str]:
     return out
 
 
-REPORT_NAMES = ("signoff.json", "signoff.md", "signoff.html")
-
-
 def remove_reports(out_dir: str | Path) -> None:
     """Remove an earlier run's reports: a run that could not be judged must not leave them in place."""
     out = Path(out_dir)
     if out.is_dir() and not out.is_symlink():
-        for name in REPORT_NAMES:
+        for name in SIGNOFF_NAMES:
             p = out / name
             if p.is_file() or p.is_symlink():
                 p.unlink()
@@ -142,8 +134,8 @@ def write_reports(rep, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     if out.is_symlink():
         raise ValidateError(f"{out}: is a symbolic link; reports are never written through links")
-    files = {"signoff.json": (json.dumps(to_json(rep), indent=2, sort_keys=True) + "\n").encode(),
-             "signoff.md": to_markdown(rep).encode(), "signoff.html": to_html(rep).encode()}
+    files = dict(zip(SIGNOFF_NAMES, ((json.dumps(to_json(rep), indent=2, sort_keys=True) + "\n").encode(),
+                                     to_markdown(rep).encode(), to_html(rep).encode())))
     try:
         out.mkdir(parents=True, exist_ok=True)
         remove_reports(out)

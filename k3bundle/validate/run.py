@@ -20,6 +20,8 @@ import torch
 
 from k3bundle.bundle.manifest import read_manifest
 from k3bundle.config import load_config
+from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES, MANIFEST,
+                                  VALIDATION_DIR)
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
@@ -102,23 +104,23 @@ class Report:
 
 
 def load_goldens(validation: Path) -> tuple[dict, dict, dict, Tolerances]:
-    for name in ("golden_inputs.npz", "golden_intermediates.npz", "tolerances.yaml"):
+    for name in GOLDEN_FILES:
         if not (validation / name).is_file():
             raise ValidateError(f"{validation / name}: missing; run `k3bundle golden` first")
-    inputs = read_npz(validation / "golden_inputs.npz")
-    inter = read_npz(validation / "golden_intermediates.npz")
-    meta = check_goldens(validation / "golden_intermediates.npz", inter)
+    inputs = read_npz(validation / GOLDEN_INPUTS)
+    inter = read_npz(validation / GOLDEN_INTERMEDIATES)
+    meta = check_goldens(validation / GOLDEN_INTERMEDIATES, inter)
     if read_meta(inputs).get("content_hash") != meta.get("content_hash"):
-        raise GoldenFileError(f"{validation}: golden_inputs.npz and golden_intermediates.npz come from different runs")
+        raise GoldenFileError(f"{validation}: {GOLDEN_INPUTS} and {GOLDEN_INTERMEDIATES} come from different runs")
     for entry in meta.get("cases", []):
         name = entry.get("name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or (entry.get("status") == "ok" and f"{name}/ids" not in inputs):
-            raise GoldenFileError(f"{validation / 'golden_inputs.npz'}: lacks the ids of case {name!r}")
+            raise GoldenFileError(f"{validation / GOLDEN_INPUTS}: lacks the ids of case {name!r}")
         if entry.get("status") == "ok" and not np.array_equal(inputs.get(f"{name}/greedy_tokens"),
                                                               inter.get(f"{name}/greedy_tokens")):
-            raise GoldenFileError(f"{validation / 'golden_inputs.npz'}: greedy tokens of case {name!r} differ "
-                                  "from golden_intermediates.npz; rerun `k3bundle golden`")
-    return inputs, inter, meta, load_tolerances(validation / "tolerances.yaml")
+            raise GoldenFileError(f"{validation / GOLDEN_INPUTS}: greedy tokens of case {name!r} differ "
+                                  f"from {GOLDEN_INTERMEDIATES}; rerun `k3bundle golden`")
+    return inputs, inter, meta, load_tolerances(validation / GOLDEN_TOLERANCES)
 
 
 _LAYER_TAP = re.compile(r"[/.]layers\.(\d+)\.")  # "case/layers.3.mixer_out", "case/decode.layers.3.ffn_out"
@@ -222,7 +224,7 @@ def check_integrity(bundle: Path, level: str, seed: int, reads_weights: bool) ->
     else the metadata and a seeded sample."""
     from k3bundle.check.verify import verify
 
-    if not (bundle / "manifest.json").is_file():
+    if not (bundle / MANIFEST).is_file():
         return "not checked: a source checkpoint (no manifest)", []
     manifest = read_manifest(bundle)
     reads = [f["path"] for f in manifest["files"] if f["path"].endswith(".safetensors")] if reads_weights else []
@@ -263,7 +265,7 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     t0 = time.time()
     bundle = Path(bundle)
     integrity, problems = check_integrity(bundle, verify_level, verify_seed, reads_weights=device.mode != "dumps")
-    vdir = Path(validation) if validation else bundle / "validation"
+    vdir = Path(validation) if validation else bundle / VALIDATION_DIR
     inputs, inter, meta, tol = load_goldens(vdir)
     listed = meta.get("cases", [])
     check_same_model(bundle, vdir, inputs, inter, listed)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from k3bundle.bundle.weights import BundleWeights
+from k3bundle.bundle.errors import BundleError
+from k3bundle.bundle.open_weights import open_weights, weights_kind
 from k3bundle.config import load_config
-from k3bundle.executor import SourceWeights
-from k3bundle.executor.weights import resident_budget
 from k3bundle.validate.devices import DEVICE_POLICY, Device, Dumps, InProcess
 from k3bundle.validate.distributed import Distributed
 from k3bundle.validate.errors import ValidateError
@@ -19,12 +18,11 @@ def weights_for(path: Path, device: str = "cpu") -> Callable[[str], object]:
     rank merged, or a source checkpoint (which checks the executor and the goldens against
     each other). Decoded tensors stay resident while they fit (``resident_budget``): the
     teacher-forced run asks for every layer again at each decode step."""
-    if (path / "manifest.json").is_file():
-        return lambda dtype: BundleWeights(path, dtype=dtype, device=device,
-                                           resident_bytes=resident_budget(device, dtype))
-    if (path / "config.json").is_file():
-        return lambda dtype: SourceWeights(path, dtype=dtype, device=device, resident=True)
-    raise ValidateError(f"{path}: neither a bundle (manifest.json) nor a checkpoint (config.json)")
+    try:
+        weights_kind(path)  # at once: a path that is neither is refused before anything runs
+    except BundleError as e:
+        raise ValidateError(str(e)) from None
+    return lambda dtype: open_weights(path, dtype, device)
 
 
 def with_backend(factory: Callable[[str], object], backend) -> Callable[[str], object]:
@@ -73,7 +71,7 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         text = load_config(path).text
         return Dumps(dumps, factory, device, vocab=text.vocab_size, experts=text.num_experts)
     if ranks == "distributed":
-        if not (path / "manifest.json").is_file():
+        if weights_kind(path) != "bundle":
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
         return Distributed(path, device=device, nproc=nproc, results=rank_results, backend=backend,
                            name=backend_label(device, kern))

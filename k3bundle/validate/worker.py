@@ -19,6 +19,7 @@ import torch.distributed as dist
 from k3bundle.bundle.weights import BundleWeights
 from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.taps import tap_kind
+from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
 from k3bundle.golden.store import read_meta, read_npz, to_numpy, write_npz
 from k3bundle.validate.devices import DEVICE_POLICY, device_arrays
 
@@ -59,8 +60,8 @@ def main(bundle: str, validation: str, out: str, device: str, kernels: str = "re
 
             weights.backend = load(kernels)
             weights.backend.setup(device)
-        inputs = read_npz(Path(validation) / "golden_inputs.npz")
-        inter = read_npz(Path(validation) / "golden_intermediates.npz")
+        inputs = read_npz(Path(validation) / GOLDEN_INPUTS)
+        inter = read_npz(Path(validation) / GOLDEN_INTERMEDIATES)
         for entry in read_meta(inter).get("cases", []):
             if entry.get("status") != "ok":
                 continue

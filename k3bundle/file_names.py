@@ -1,0 +1,41 @@
+"""The names of the files k3bundle reads and writes in a checkpoint and in a bundle.
+
+Each name has one owner, here, so that a writer and its readers cannot drift apart: ``convert``
+writes the manifest that ``verify``, ``golden``, ``validate`` and ``checklist`` look for,
+``golden`` writes the goldens ``validate`` reads, ``validate`` and ``kernels`` write the reports
+``checklist`` ticks from. Paths are relative to the checkpoint or bundle directory, ``/``-separated.
+This module imports nothing, so that every unit of the architecture map may use it.
+"""
+
+# --- a source checkpoint (``config.json`` is also copied, byte-identical, into every bundle) ---
+CONFIG = "config.json"
+SOURCE_INDEX = "model.safetensors.index.json"
+SOURCE_RECORD = "source.json"  # written by ``pull`` beside what it pulled: provenance and hashes
+
+# --- a bundle as ``convert`` writes it; the manifest last, so a bundle without it is incomplete ---
+MANIFEST = "manifest.json"
+WEIGHTS_INDEX = "weights.index.json"
+GRAPH_MANIFEST = "graph_manifest.json"
+DEVICE_DIR = "device_weights"
+LAYOUT = f"{DEVICE_DIR}/layout.yaml"
+CONVERT_JOURNAL = ".k3bundle-convert.journal"  # present only while a conversion is unfinished
+
+# --- written into a bundle later by other commands; not listed in convert's manifest ---
+VALIDATION_DIR = "validation"  # ``golden`` writes here by default, ``validate`` reads
+GOLDEN_INPUTS = "golden_inputs.npz"
+GOLDEN_INTERMEDIATES = "golden_intermediates.npz"
+GOLDEN_TOLERANCES = "tolerances.yaml"  # the tolerance set the goldens were made with, copied
+GOLDEN_FILES = (GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES)
+
+REPORTS_DIR = "reports"
+SIGNOFF_NAME = "signoff.json"  # ``validate``: the sign-off, beside .md and .html of the same stem
+SIGNOFF_NAMES = (SIGNOFF_NAME, "signoff.md", "signoff.html")
+SIGNOFF = f"{REPORTS_DIR}/{SIGNOFF_NAME}"
+KERNELS_STEM = "kernels"  # ``kernels --out BUNDLE/reports``: kernels.md, .json, .html
+KERNELS_REPORT = f"{REPORTS_DIR}/{KERNELS_STEM}.json"
+PERFORMANCE_REPORT = f"{REPORTS_DIR}/performance.json"  # the bring-up team's evidence (docs/bring-up.md)
+FAULTS_REPORT = f"{REPORTS_DIR}/faults.json"
+SOAK_REPORT = f"{REPORTS_DIR}/soak.json"
+CHECKLIST = f"{REPORTS_DIR}/checklist.md"  # beside checklist.json and checklist.html
+
+LATER_DIRS = (VALIDATION_DIR, REPORTS_DIR)
