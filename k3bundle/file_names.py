@@ -26,6 +26,10 @@ GOLDEN_INPUTS = "golden_inputs.npz"
 GOLDEN_INTERMEDIATES = "golden_intermediates.npz"
 GOLDEN_TOLERANCES = "tolerances.yaml"  # the tolerance set the goldens were made with, copied
 GOLDEN_FILES = (GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES)
+# ``validate``, before it judges: the run judging these goldens now; the sign-off names the same run
+# (``bundle.signoff``). Beside the goldens rather than in reports/, so that a reports/ folder that
+# cannot be written cannot keep an earlier sign-off ticking either.
+VALIDATE_RUN = f"{VALIDATION_DIR}/.k3bundle-validate.run"
 
 REPORTS_DIR = "reports"
 SIGNOFF_NAME = "signoff.json"  # ``validate``: the sign-off, beside .md and .html of the same stem

@@ -4,6 +4,7 @@ stages ticked only from evidence."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -249,8 +250,13 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
             {"tap": "layer.mixer_out", "layer": 3, "mode": "added", "passed": layer_ok},
             {"tap": "logits", "layer": None, "mode": "distribution", "passed": True}]}
 
+    def sha256(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
     signoff = {"schema_version": 1, "golden_content_hash": digest, "mode": "dumps", "device": "x",
-               "tolerances": "bf16", "passed": False,
+               "bundle_manifest_sha256": sha256(b / "manifest.json"),
+               "tolerances_sha256": sha256(b / "validation" / "tolerances.yaml"),
+               "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": False,
                "cases": [case(k) for k in REQUIRED_CASE_KINDS[:-1]] + [case("image", "fail", layer_ok=False)]}
     _write(b, "reports/signoff.json", signoff)
     st = _stages(b)

@@ -1,15 +1,27 @@
-"""The sign-off report's format version and its one reader (``reports/signoff.json``).
+"""The sign-off report's format version, its one reader (``reports/signoff.json``) and what binds it
+to the bundle it judged.
 
 ``validate`` writes the report (``validate.report``); the checklist ticks its numerics stages from
 it and ``report diff`` compares two of them, both through ``read_signoff``.
+
+A verdict names what it judged (``binding``): the sha256 of the bundle's ``manifest.json`` (None
+for a checkpoint), the goldens' content hash, the sha256 of the goldens' ``tolerances.yaml`` and
+the goldens' case list. The checklist ticks from a sign-off only while ``stale_because`` finds
+all of them equal to the bundle as it is now, and while the bundle's run marker (``VALIDATE_RUN``,
+written by ``validate`` before it judges) names the same run as the sign-off: a later run that could
+not replace the reports (``reports/`` unwritable, a kill) leaves a marker naming itself, so the
+earlier sign-off no longer ticks.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.errors import JsonFileError
+from k3bundle.file_names import MANIFEST, VALIDATE_RUN, VALIDATION_DIR
+from k3bundle.io.files import sha256_file, write_atomic
 from k3bundle.io.strict_json import read_json
 
 SIGNOFF_SCHEMA_VERSION = 1
@@ -31,3 +43,69 @@ def read_signoff(path: str | Path) -> dict:
             raise BundleError(f"{path}: cases[{i}] is not a case report (an object with a name, a status and a "
                               f"list of results), got {str(c)[:60]}")
     return doc
+
+
+#: The sign-off's fields that bind it to what it judged, in the order a stale report names them.
+BINDING_FIELDS = {"bundle_manifest_sha256": MANIFEST, "golden_content_hash": "the goldens (content hash)",
+                  "tolerances_sha256": "the goldens' tolerances.yaml", "case_list": "the goldens' case list"}
+
+
+def file_digest(path: str | Path) -> str | None:
+    """sha256 of the file ``path``; None when there is none."""
+    p = Path(path)
+    return sha256_file(p)[0] if p.is_file() else None
+
+
+def manifest_digest(bundle: str | Path) -> str | None:
+    """sha256 of a bundle's ``manifest.json`` (None for a checkpoint): which bundle was judged."""
+    return file_digest(Path(bundle) / MANIFEST)
+
+
+def binding(bundle: str | Path, golden_meta: dict, tolerances_file: str | Path) -> dict:
+    """What a verdict on ``bundle`` against these goldens judges, as it is on disk now."""
+    return {"bundle_manifest_sha256": manifest_digest(bundle),
+            "golden_content_hash": golden_meta.get("content_hash"),
+            "tolerances_sha256": file_digest(tolerances_file),
+            "case_list": [e.get("name") for e in golden_meta.get("cases", []) if isinstance(e, dict)]}
+
+
+def _short(v) -> str:
+    return f"{v[:16]}…" if isinstance(v, str) and len(v) > 16 else ("none" if v is None else str(v))
+
+
+def stale_because(signoff: dict, now: dict, marker: dict | None) -> str:
+    """'' when ``signoff`` judged exactly ``now`` (``binding``) and is the last run the marker names,
+    else "stale: the bundle changed after this sign-off (what changed)"."""
+    changed = []
+    for key, what in BINDING_FIELDS.items():
+        if key not in signoff:
+            return f"stale: the sign-off does not record {what} it judged (an older k3bundle wrote it); rerun validate"
+        if signoff[key] != now[key]:
+            changed.append(f"{what}: judged {_short(signoff[key])}, now {_short(now[key])}")
+    if changed:
+        return "stale: the bundle changed after this sign-off (" + "; ".join(changed) + ")"
+    if marker is not None and marker.get("run_id") != signoff.get("run_id"):
+        return (f"stale: a later validate run (started {marker.get('started', '?')}) did not write its reports; "
+                "rerun validate")
+    return ""
+
+
+def write_run_marker(bundle: str | Path, run_id: str, started: str) -> None:
+    """Name the run now judging ``bundle`` (before it writes anything), so that a sign-off of an
+    earlier run stops ticking even where this run cannot remove it. No goldens folder: nothing to
+    tick, no marker. An ``OSError`` when the marker cannot be written."""
+    if not (Path(bundle) / VALIDATION_DIR).is_dir():
+        return
+    write_atomic(Path(bundle) / VALIDATE_RUN, json.dumps({"run_id": run_id, "started": started}) + "\n")
+
+
+def read_run_marker(bundle: str | Path) -> dict | None:
+    """The bundle's run marker (None: no run has written one); an unreadable one names no run."""
+    p = Path(bundle) / VALIDATE_RUN
+    if not p.is_file():
+        return None
+    try:
+        doc = read_json(p)
+    except JsonFileError:
+        return {"run_id": None, "started": "unknown: the marker is unreadable"}
+    return doc if isinstance(doc, dict) else {"run_id": None}

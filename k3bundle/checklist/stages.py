@@ -7,8 +7,9 @@ paths → soak → sign-off. Evidence, all inside the bundle:
   (``k3bundle.check.verify.verify``), ``weights.index.json`` agreeing with every device header;
 * golden — ``validation/golden_inputs.npz``, ``golden_intermediates.npz``, ``tolerances.yaml``,
   both npz files from the same run (content hash);
-* per-layer numerics / end-to-end cases — ``reports/signoff.json`` written by ``validate`` against
-  these goldens (its ``golden_content_hash`` equals theirs);
+* per-layer numerics / end-to-end cases — ``reports/signoff.json`` written by ``validate`` on the
+  bundle as it is now: the manifest, goldens, tolerance file and case list it records are the
+  bundle's, and it is the run the bundle's run marker names (``bundle.signoff.stale_because``);
 * performance, fault paths, soak — ``reports/performance.json``, ``faults.json``, ``soak.json``
   written by the bring-up team (format in docs/bring-up.md), checked against this checklist.
 A stage that is not ticked says what is missing and the command that produces it.
@@ -26,11 +27,12 @@ import numpy as np
 import zstandard
 
 from k3bundle.bundle.errors import BundleError
+from k3bundle.bundle.signoff import binding, read_run_marker, stale_because
 from k3bundle.bundle.signoff import read_signoff as read_signoff_file
 from k3bundle.checklist import faults as F
 from k3bundle.errors import JsonFileError
-from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, MANIFEST,
-                                  PERFORMANCE_REPORT, SIGNOFF, SOAK_REPORT, VALIDATION_DIR)
+from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES,
+                                  MANIFEST, PERFORMANCE_REPORT, SIGNOFF, SOAK_REPORT, VALIDATION_DIR)
 from k3bundle.io.strict_json import loads, read_json
 
 PERFORMANCE_KIND, FAULTS_KIND, SOAK_KIND = "k3bundle.performance", "k3bundle.faults", "k3bundle.soak"
@@ -178,9 +180,10 @@ def _signoff_checks(bundle: Path | None, goldens: dict | None, signoff: dict | N
     if signoff is None:
         s.missing = why
         return s, None
-    if signoff.get("golden_content_hash") != goldens.get("content_hash"):
-        s.missing = (f"{SIGNOFF} judged goldens {str(signoff.get('golden_content_hash'))[:16]}…, the bundle now "
-                     f"holds {goldens['content_hash'][:16]}…: the report is stale")
+    stale = stale_because(signoff, binding(bundle, goldens, bundle / VALIDATION_DIR / GOLDEN_TOLERANCES),
+                          read_run_marker(bundle))
+    if stale:
+        s.missing = f"{SIGNOFF}: {stale}"
         return s, None
     return s, signoff
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,3 +61,22 @@ def progress_bar(description: str, enabled: bool = True):
             bar.update(task, completed=done, total=total, label=label)
 
         yield update
+
+
+@contextmanager
+def sigterm_raises(make_error: Callable[[], BaseException]):
+    """Within the block a plain ``kill`` (SIGTERM) raises ``make_error()`` where the command is, as
+    Ctrl-C raises ``KeyboardInterrupt``: the command's clean-up for an interrupted run is the same
+    for both. Python runs handlers in the main thread only; elsewhere SIGTERM keeps its action."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise make_error()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

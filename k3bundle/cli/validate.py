@@ -8,9 +8,10 @@ from typing import Annotated
 import typer
 
 from k3bundle.check.verify import LEVELS
-from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
+from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar, sigterm_raises
 from k3bundle.file_names import REPORTS_DIR
-from k3bundle.validate.report import remove_reports, to_json, write_reports
+from k3bundle.validate.errors import Terminated
+from k3bundle.validate.report import discard_reports, start_run, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.sources import open_device
 
@@ -43,16 +44,19 @@ def validate(
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
     reports = out or bundle / REPORTS_DIR
+    run_id = start_run(bundle, reports)  # an earlier verdict is gone before this run judges anything
     try:
-        dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
-                          rank_results=rank_results, backend=backend)
-        with progress_bar("validate", enabled=not json_) as update:
-            rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
-                               cases=[n for c in cases or () for n in c.split(",") if n])
+        with sigterm_raises(lambda: Terminated("stopped by SIGTERM; no verdict written: rerun validate")):
+            dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
+                              rank_results=rank_results, backend=backend)
+            with progress_bar("validate", enabled=not json_) as update:
+                rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
+                                   cases=[n for c in cases or () for n in c.split(",") if n])
+            rep.backend, rep.run_id = backend, run_id
+            files = write_reports(rep, reports)
     except BaseException:
-        remove_reports(reports)  # an earlier run's PASS must not outlive a run that could not be judged
+        discard_reports(reports)  # no verdict outlives a run that could not be judged (Ctrl-C, SIGTERM too)
         raise
-    files = write_reports(rep, reports)
     lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({dut.name}) against {rep.tolerances.name} tolerances, "
              f"{rep.seconds:.1f} s"]
     for c in rep.cases:

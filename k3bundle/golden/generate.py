@@ -14,6 +14,7 @@ from ``tolerances/NAME.yaml``.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,15 +28,16 @@ from k3bundle.bundle.open_weights import open_weights, weights_kind
 from k3bundle.executor.case import case_steps, replay_args, run_case, run_cases
 from k3bundle.executor.model import drive_lockstep
 from k3bundle.executor.kda import CHUNK
+from k3bundle.bundle.signoff import manifest_digest
 from k3bundle.config import load_config
-from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES, MANIFEST,
+from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES,
                                   VALIDATION_DIR)
 from k3bundle.golden.cases import Case, check_context, check_long_tokens, load_cases
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import load_tolerances, tolerance_path
-from k3bundle.io.files import sha256_file, write_atomic
+from k3bundle.io.files import remove_temps_of, write_atomic
 from k3bundle.tokenizer import load_tiktoken
 
 MAX_CHUNK_SNAPSHOTS = 8  # KDA states kept per case at evenly spaced chunk boundaries
@@ -115,13 +117,6 @@ def bf16_added_noise(bf16, arrays: dict, ids: list[int]) -> dict[str, np.ndarray
     return added_noise_arrays(bf16, arrays) if taps_every_position(arrays, ids) else {}
 
 
-def manifest_digest(path: Path) -> str | None:
-    """sha256 of a bundle's manifest.json (None for a checkpoint): which bundle's weights the
-    goldens were made from, so validate knows when its exact check applies."""
-    m = Path(path) / MANIFEST
-    return sha256_file(m)[0] if m.is_file() else None
-
-
 def _refuse_links(out: Path) -> None:
     if out.is_symlink() or any((out / n).is_symlink() for n in GOLDEN_FILES):
         raise GoldenFileError(f"{out}: a symbolic link where goldens would be written; goldens are never "
@@ -131,10 +126,14 @@ def _refuse_links(out: Path) -> None:
 def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> None:
     """Write the three files, each atomically, never through a link; a failure (a full disk) is a
     one-line error. The two npz files carry the same content hash, so a run cut between them is
-    refused by ``validate`` as goldens "from different runs", never judged."""
+    refused by ``validate`` as goldens "from different runs", never judged; both record the sha256
+    of the tolerance file, written last, so a run cut before it leaves goldens beside another run's
+    tolerance file that ``validate`` refuses (``check_tolerance_file``). Temp files a killed run
+    left are removed first."""
     _refuse_links(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        remove_temps_of(out, GOLDEN_FILES)
         write_npz(out / GOLDEN_INTERMEDIATES, inter, compress=True)
         write_npz(out / GOLDEN_INPUTS, inputs)
         write_atomic(out / GOLDEN_TOLERANCES, tolerances)
@@ -173,6 +172,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
         check_long_tokens(long_tokens)
     tol_file = tolerance_path(tolerance)
     load_tolerances(tol_file)  # the file the goldens will carry is checked before any work
+    tolerance_bytes = tol_file.read_bytes()  # read once: the bytes written are the bytes whose digest is recorded
     encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
     weights = open_weights(source, dtype, device, resident=None)  # a checkpoint too big to keep streams
     if weights.device.type == "cuda":
@@ -231,7 +231,8 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             "device": str(weights.device), "device_name": _device_name(weights.device),
             "torch_version": torch.__version__, "tolerance": tol_file.name, "content_hash": digest,
             "cases": summary, "source": str(source.resolve()), "chunk": CHUNK, "forms": forms,
-            "weights_manifest_sha256": manifest_digest(source)}
+            "weights_manifest_sha256": manifest_digest(source),
+            "tolerances_sha256": hashlib.sha256(tolerance_bytes).hexdigest()}
     for name in sorted(inter):  # a NaN golden would make every device "fail": refuse to write it
         a = inter[name]
         if a.dtype.kind == "f" and not np.isfinite(a).all():
@@ -239,7 +240,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
                                   "weights and config")
     inter["__meta__"] = meta_array(meta)
     inputs["__meta__"] = meta_array(meta)
-    _write_goldens(out, inter, inputs, tol_file.read_bytes())
+    _write_goldens(out, inter, inputs, tolerance_bytes)
     timed = [{**c, "seconds": seconds[c["name"]]} if c["name"] in seconds else c for c in summary]
     if "all" in seconds:  # layer-major: one time for every case together
         timed = [{**c, "seconds_all_cases": seconds["all"]} if c.get("status") == "ok" else c for c in timed]

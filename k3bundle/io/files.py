@@ -34,6 +34,19 @@ def is_temp_of(name: str, final_name: str) -> bool:
     return name.startswith(f".{final_name}.") and name.endswith(TEMP_SUFFIX)
 
 
+def remove_temps_of(folder: str | os.PathLike, final_names) -> list[str]:
+    """Remove the temp files a killed writer left in ``folder`` for any of ``final_names`` (the
+    next run of that writer cleans up after the last); the names removed. Links are never followed."""
+    folder, gone = Path(folder), []
+    if not folder.is_dir() or folder.is_symlink():
+        return gone
+    for p in sorted(folder.iterdir()):
+        if any(is_temp_of(p.name, n) for n in final_names) and (p.is_symlink() or p.is_file()):
+            discard(p)
+            gone.append(p.name)
+    return gone
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a rename in ``directory`` durable (best effort: some filesystems cannot fsync a folder)."""
     try:

@@ -133,7 +133,7 @@ class InProcess(Device):
 def exact_applies(source: Path | None, validation: Path, device) -> tuple[str, str | None]:
     """Whether the exact check applies to this device and these goldens: ("ran", section) with
     the tolerance section that judges it, or (why not, None)."""
-    from k3bundle.golden.generate import manifest_digest
+    from k3bundle.bundle.signoff import manifest_digest
     from k3bundle.golden.store import read_meta, read_npz
 
     if source is None:

@@ -9,3 +9,9 @@ class ValidateError(K3Error):
 
 class DumpError(ValidateError):
     """A dump directory or file is unusable (missing file or tap, wrong shape, NaN/Inf)."""
+
+
+class Terminated(ValidateError):
+    """SIGTERM during a run: no verdict, an earlier one removed (exit 143, as a killed process)."""
+
+    exit_code = 128 + 15

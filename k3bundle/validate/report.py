@@ -7,12 +7,15 @@ case names its first failing layer and tap. The HTML page is ``validate.html``.
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import time
 from pathlib import Path
 
 from k3bundle import __version__
-from k3bundle.bundle.signoff import SIGNOFF_SCHEMA_VERSION
-from k3bundle.file_names import SIGNOFF_NAMES
-from k3bundle.io.files import write_atomic
+from k3bundle.bundle.signoff import SIGNOFF_SCHEMA_VERSION, write_run_marker
+from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAMES, VALIDATE_RUN
+from k3bundle.io.files import remove_temps_of, temp_path, write_atomic
 from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.html import tie_text, to_html
@@ -47,7 +50,8 @@ def to_json(rep) -> dict:
         cases.append(d)
     return nonfinite_as_text({  # "nan" / "inf" as text: the sign-off stays JSON the strict reader takes
             "schema_version": SIGNOFF_SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
-            "mode": rep.mode, "device": rep.device, "tolerances": rep.tolerances.name,
+            "mode": rep.mode, "device": rep.device, "backend": rep.backend, "tolerances": rep.tolerances.name,
+            **rep.binding, "run_id": rep.run_id,  # what was judged: the checklist ticks only while it is the bundle's now
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases,
@@ -119,13 +123,64 @@ def margin_table(rows) -> list[str]:
 
 
 def remove_reports(out_dir: str | Path) -> None:
-    """Remove an earlier run's reports: a run that could not be judged must not leave them in place."""
+    """Remove an earlier run's reports (and a killed run's temp files): a run that could not be
+    judged must not leave them in place. Where the folder forbids removing them (read-only,
+    immutable) each is emptied in place instead; an ``OSError`` when neither can be done."""
     out = Path(out_dir)
     if out.is_dir() and not out.is_symlink():
+        remove_temps_of(out, SIGNOFF_NAMES)
         for name in SIGNOFF_NAMES:
             p = out / name
             if p.is_file() or p.is_symlink():
-                p.unlink()
+                _remove_or_empty(p)
+
+
+def discard_reports(out_dir: str | Path) -> None:
+    """``remove_reports`` on a path that is already failing: what cannot be removed stays, and the
+    run's own error is the one reported (the run marker keeps what stays from ticking)."""
+    try:
+        remove_reports(out_dir)
+    except OSError:
+        pass
+
+
+def _remove_or_empty(p: Path) -> None:
+    try:
+        p.unlink()
+    except PermissionError:  # the folder cannot change; the file itself may: no old verdict stays readable
+        if p.is_symlink():
+            raise
+        os.close(os.open(p, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK))
+
+
+def start_run(bundle: str | Path, out_dir: str | Path) -> str:
+    """Before a run judges anything: remove an earlier run's reports (``remove_reports``) and, where
+    the reports are the bundle's own (``reports/``, the ones the checklist ticks from), name the run
+    in the bundle's run marker first; the run's id, which its sign-off records. Where either cannot
+    be done, a one-line error (exit 2) before any work; the marker, when written, already keeps the
+    earlier reports from ticking (``bundle.signoff.stale_because``)."""
+    run_id = secrets.token_hex(8)
+    if Path(out_dir).resolve() == (Path(bundle) / REPORTS_DIR).resolve():
+        try:
+            write_run_marker(bundle, run_id, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        except OSError as e:
+            raise ValidateError(f"{Path(bundle) / VALIDATE_RUN}: cannot write the run marker: {e.strerror or e}; "
+                                "make the bundle's validation/ folder writable, or write the reports elsewhere "
+                                "(--out)") from None
+    try:
+        remove_reports(out_dir)
+    except OSError as e:
+        raise ValidateError(f"{out_dir}: cannot remove the earlier reports: {e.strerror or e}; make the folder "
+                            "writable (or choose another --out) and rerun") from None
+    if Path(out_dir).is_dir() and not Path(out_dir).is_symlink():
+        probe = temp_path(Path(out_dir) / SIGNOFF_NAMES[0])  # a run whose verdict cannot be written is not begun
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            raise ValidateError(f"{out_dir}: cannot write the reports: {e.strerror or e}; make the folder "
+                                "writable (or choose another --out) and rerun") from None
+    return run_id
 
 
 def write_reports(rep, out_dir: str | Path) -> list[Path]:
@@ -142,6 +197,6 @@ def write_reports(rep, out_dir: str | Path) -> list[Path]:
         for name, data in files.items():
             write_atomic(out / name, data)
     except OSError as e:
-        remove_reports(out)
+        discard_reports(out)
         raise ValidateError(f"{out}: cannot write the reports: {e.strerror or e}") from None
     return [out / n for n in files]

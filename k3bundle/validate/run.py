@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from k3bundle.bundle.manifest import read_manifest
+from k3bundle.bundle.signoff import BINDING_FIELDS, binding, file_digest
 from k3bundle.config import load_config
 from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES, MANIFEST,
                                   VALIDATION_DIR)
@@ -78,6 +79,9 @@ class Report:
     exact: str = ""  # the exact check: "ran" or why not (devices.exact_applies)
     integrity: str = ""  # the bundle's files against its manifest: the level that ran and what it covered
     integrity_problems: list[str] = field(default_factory=list)  # files that differ: no sign-off
+    binding: dict = field(default_factory=dict)  # what was judged (bundle.signoff.binding), as the run began
+    backend: str | None = None  # --backend: the kernels the built-in executor ran (None: the reference's)
+    run_id: str = ""  # the run the bundle's run marker names (bundle.signoff.write_run_marker)
 
     @property
     def passed(self) -> bool:
@@ -120,6 +124,7 @@ def load_goldens(validation: Path) -> tuple[dict, dict, dict, Tolerances]:
                                                               inter.get(f"{name}/greedy_tokens")):
             raise GoldenFileError(f"{validation / GOLDEN_INPUTS}: greedy tokens of case {name!r} differ "
                                   f"from {GOLDEN_INTERMEDIATES}; rerun `k3bundle golden`")
+    check_tolerance_file(validation / GOLDEN_TOLERANCES, meta)
     return inputs, inter, meta, load_tolerances(validation / GOLDEN_TOLERANCES)
 
 
@@ -151,6 +156,20 @@ def check_same_model(bundle: Path, validation: Path, inputs: dict, inter: dict, 
     if layers and max(layers) >= text.num_hidden_layers:
         raise GoldenFileError(f"{validation}: the goldens are of another model: they tap layer {max(layers)}, "
                               f"{bundle / 'config.json'} has num_hidden_layers {text.num_hidden_layers}")
+
+
+def check_tolerance_file(path: Path, meta: dict) -> None:
+    """The goldens and their tolerance file are one unit: the file beside them must be the one
+    ``golden`` wrote with them (its sha256 is in their metadata). A run cut between golden's writes,
+    or a tolerance file edited or copied in afterwards, is refused rather than judged by."""
+    recorded, actual = meta.get("tolerances_sha256"), file_digest(path)
+    if recorded is None:
+        raise GoldenFileError(f"{path}: the goldens do not record their tolerance file's sha256 (an older "
+                              "k3bundle made them); rerun `k3bundle golden`")
+    if recorded != actual:
+        raise GoldenFileError(f"{path}: not the tolerance file the goldens were made with (sha256 {actual[:16]}…, "
+                              f"the goldens record {recorded[:16]}…); rerun `k3bundle golden` "
+                              "(--tolerances FILE for other limits)")
 
 
 def _case_arrays(inter: dict, case: str) -> dict:
@@ -264,9 +283,11 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     """
     t0 = time.time()
     bundle = Path(bundle)
-    integrity, problems = check_integrity(bundle, verify_level, verify_seed, reads_weights=device.mode != "dumps")
     vdir = Path(validation) if validation else bundle / VALIDATION_DIR
+    judged_manifest = binding(bundle, {}, vdir / GOLDEN_TOLERANCES)["bundle_manifest_sha256"]
+    integrity, problems = check_integrity(bundle, verify_level, verify_seed, reads_weights=device.mode != "dumps")
     inputs, inter, meta, tol = load_goldens(vdir)
+    judged = {**binding(bundle, meta, vdir / GOLDEN_TOLERANCES), "bundle_manifest_sha256": judged_manifest}
     listed = meta.get("cases", [])
     check_same_model(bundle, vdir, inputs, inter, listed)
     chosen = {e["name"] for e in select_cases(listed, cases)}
@@ -290,5 +311,15 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
         case_reports[-1].seconds = time.time() - t_case
     if progress:
         progress(len(listed), len(listed), "")
+    check_unchanged(judged, binding(bundle, meta, vdir / GOLDEN_TOLERANCES))
     return Report(str(bundle), device.mode, device.name, tol, case_reports, meta, time.time() - t0, device.exact_status,
-                  integrity, problems)
+                  integrity, problems, judged)
+
+
+def check_unchanged(judged: dict, now: dict) -> None:
+    """No verdict on a bundle that changed while it was judged (a ``convert --force`` into it, a new
+    tolerance file): what the run judged is neither what it began with nor what is there now."""
+    changed = [what for key, what in BINDING_FIELDS.items() if judged.get(key) != now.get(key)]
+    if changed:
+        raise ValidateError(f"{', '.join(changed)} changed while validate ran; no verdict is written: "
+                            "rerun validate once the bundle is finished")
