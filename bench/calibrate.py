@@ -315,7 +315,7 @@ def added_noise_ratio(rep, golden: dict) -> float | None:
 def _judge(bundle: Path, device: str, only: list[str] | None, after_step=None):
     from k3bundle.validate.devices import InProcess
     from k3bundle.validate.run import _case_arrays, judge_case, load_goldens
-    from k3bundle.validate.sources import open_device, weights_for
+    from k3bundle.validate.device_options import open_device, weights_for
     inputs, inter, meta, tol = load_goldens(bundle / "validation")
     dev = open_device(bundle, device=device) if after_step is None else \
         InProcess(weights_for(bundle, device), device, after_step=after_step, source=bundle)

@@ -227,7 +227,7 @@ def resume_after_kill(ckpt: Path, work: Path, layout: str, after_units: int = 40
 
 def _sampled_bytes(bundle: Path, seed: int = 0) -> int:
     """Bytes ``--verify sample`` re-hashes in a command that reads no weights (its own rule)."""
-    from k3bundle.check.verify import hashed_paths
+    from k3bundle.provenance.verify import hashed_paths
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     picked = hashed_paths(manifest, "sample", seed, ())

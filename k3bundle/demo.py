@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3bundle.check.verify import verify
+from k3bundle.provenance.verify import verify
 from k3bundle.checklist import write_checklist
 from k3bundle.convert import convert
 from k3bundle.errors import K3Error
@@ -30,7 +30,7 @@ from k3bundle.synth import write_synthetic
 from k3bundle.tokenizer import load_tiktoken
 from k3bundle.validate.report import write_reports
 from k3bundle.validate.run import validate
-from k3bundle.validate.sources import open_device
+from k3bundle.validate.device_options import open_device
 
 TARGET = "b300-tp8"
 PRESET = "tiny-trained"  # a trained model: realistic numerics, and a continuation worth reading

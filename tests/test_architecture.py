@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "k3bundle"
 DOC = ROOT / "docs" / "design-notes.md"
 
-BASE = ("errors", "data_dirs", "file_names", "io", "config", "formats", "schema", "source")
+BASE = ("errors", "data_dirs", "file_names", "io", "config", "formats", "schema", "checkpoint")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("k3bundle", ()),  # the package root: __version__ only
     ("errors", ()),
@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenizer", ("k3bundle", "errors", "io", "tokenizer_specials")),
     ("chat", ("k3bundle", "errors", "tokenizer_specials")),
     ("schema", ("errors", "config")),
-    ("source", ("errors", "config", "io", "schema")),
+    ("checkpoint", ("errors", "config", "io", "schema")),
     ("presets", ("errors", "config", "tokenizer_specials")),
     ("synth", ("k3bundle", "errors", "file_names", "config", "io", "formats", "schema", "tokenizer_specials", "presets")),
     ("pull", ("k3bundle", "errors", "file_names", "io")),
@@ -46,15 +46,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("executor", ("k3bundle",) + BASE + ("storage", "ops")),
     ("bundle", BASE + ("storage", "layouts", "plan", "ops", "executor")),
     ("convert", ("k3bundle",) + BASE + ("storage", "layouts", "plan", "bundle")),
-    ("check", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
-    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "check")),
+    ("provenance", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
+    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "provenance")),
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
-    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "check", "golden", "kernels")),
-    ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "check", "golden", "validate", "checklist")),
-    ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "source", "presets", "synth", "pull",
+    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "provenance", "golden", "kernels")),
+    ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "provenance", "golden", "validate", "checklist")),
+    ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "checkpoint", "presets", "synth", "pull",
              "plan", "executor",
-             "bundle", "convert", "check", "checklist", "kernels", "golden", "validate", "demo")),
+             "bundle", "convert", "provenance", "checklist", "kernels", "golden", "validate", "demo")),
     ("__main__", ("cli",)),
 )
 ALLOWED = dict(LAYERS)

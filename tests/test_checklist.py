@@ -308,7 +308,7 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
 
     # a flipped byte in a device file un-ticks the conversion (and so the sign-off): at the default
     # level (sample) when the file is one it re-hashes, at level full wherever it is
-    from k3bundle.check.verify import hashed_paths
+    from k3bundle.provenance.verify import hashed_paths
 
     manifest = json.loads((b / "manifest.json").read_text())
     sampled = hashed_paths(manifest, "sample", 0, ())

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from k3bundle.errors import SchemaError
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 from tests.conftest import run_cli
 
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from k3bundle.bundle.manifest import read_manifest
-from k3bundle.check.verify import verify
+from k3bundle.provenance.verify import verify
 from k3bundle.convert import ConvertError, convert
 from k3bundle.convert.journal import JOURNAL
 from k3bundle.formats import fp8, mxfp4, nvfp4

@@ -18,7 +18,7 @@ from k3bundle.executor.taps import SPEC, TAPS
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_meta, read_npz
 from k3bundle.validate.run import validate
-from k3bundle.validate.sources import open_device
+from k3bundle.validate.device_options import open_device
 from tests.conftest import run_cli
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from k3bundle.check.verify import verify
+from k3bundle.provenance.verify import verify
 from k3bundle.convert import convert
 from k3bundle.layouts import LayoutError, parse_layout
 from k3bundle.storage import CONVENTIONS

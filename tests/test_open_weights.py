@@ -11,7 +11,7 @@ from k3bundle.bundle.open_weights import open_weights, weights_kind
 from k3bundle.bundle.weights import BundleWeights
 from k3bundle.executor import SourceWeights
 from k3bundle.validate.errors import ValidateError
-from k3bundle.validate.sources import weights_for
+from k3bundle.validate.device_options import weights_for
 from tests.conftest import run_cli
 
 

@@ -177,7 +177,7 @@ def test_rules_that_need_the_source_shard_map():
 
 def test_plan_from_source_equals_plan_from_config(tiny_ckpt):
     from k3bundle.plan import plan_for_source
-    from k3bundle.source import SourceCheckpoint
+    from k3bundle.checkpoint import SourceCheckpoint
 
     lay = load_layout("b200-tp8-pp2")
     with SourceCheckpoint(tiny_ckpt) as src:

@@ -128,7 +128,7 @@ def test_validate_refuses_a_manifest_that_changes_while_it_runs(signed, tmp_path
     """The bundle rewritten mid-run (played by a byte appended to manifest.json after the first
     case): no verdict, one line naming the manifest."""
     from k3bundle.validate.run import validate
-    from k3bundle.validate.sources import open_device
+    from k3bundle.validate.device_options import open_device
 
     b = _copy(signed, tmp_path)
     dut = open_device(b)

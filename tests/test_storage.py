@@ -150,7 +150,7 @@ def _layout_using_every_format(scale_layout: str) -> dict:
 
 @pytest.mark.parametrize("scale_layout", ["row-major", "swizzled-128x4"])
 def test_every_format_parts_match_what_convert_writes(tiny_ckpt, tmp_path, scale_layout):
-    from k3bundle.check.verify import verify
+    from k3bundle.provenance.verify import verify
     from k3bundle.convert import convert
     from k3bundle.schema import ROLE_BY_NAME, Schema
     from k3bundle.config import load_config

@@ -132,7 +132,7 @@ def test_trace_maps_the_format_bytes_back_to_their_source(chain):
     assert down["weight"]["source"]["cols"][0] > 0
     rng = random.Random(0)
     asks = [(e, rng.randrange(e["byte_range"][1] - e["byte_range"][0])) for e in down.values() for _ in range(12)]
-    code = ("import json, sys\nfrom k3bundle.check.trace import trace\n"
+    code = ("import json, sys\nfrom k3bundle.provenance.trace import trace\n"
             "asks = json.loads(sys.argv[1])\n"
             "print(json.dumps([trace(sys.argv[2], r, k, o)['byte'] for r, k, o in asks]))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps([[e["rank"], e["key"], o] for e, o in asks]),

@@ -13,7 +13,7 @@ from k3bundle.validate.devices import CaseOutput
 from k3bundle.validate.distributed import _cause
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.run import Report, judge_case
-from k3bundle.validate.sources import open_device
+from k3bundle.validate.device_options import open_device
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3bundle.check.verify import sample_size, verify
+from k3bundle.provenance.verify import sample_size, verify
 from tests._bundles import bundles, single_threaded_torch  # noqa: F401 (fixtures)
 from tests.conftest import run_cli
 

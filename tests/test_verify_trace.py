@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.check.trace import trace
-from k3bundle.check.verify import verify
+from k3bundle.provenance.trace import trace
+from k3bundle.provenance.verify import verify
 from k3bundle.formats import fp8
 from k3bundle.formats.scale_swizzle import unswizzle
 from tests._bundles import bundles, file_bytes, raw_tensor, single_threaded_torch  # noqa: F401 (fixtures)

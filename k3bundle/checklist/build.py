@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3bundle.bundle.graph import graph_manifest
-from k3bundle.check.verify import verify
+from k3bundle.provenance.verify import verify
 from k3bundle.checklist.capacity import Capacity, capacity
 from k3bundle.checklist.errors import ChecklistError
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS

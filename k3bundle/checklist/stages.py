@@ -4,7 +4,7 @@ capacity → conversion → golden → per-layer numerics → end-to-end cases �
 paths → soak → sign-off. Evidence, all inside the bundle:
 
 * conversion — ``manifest.json`` for this target, every file it lists re-hashed and matching
-  (``k3bundle.check.verify.verify``), ``weights.index.json`` agreeing with every device header;
+  (``k3bundle.provenance.verify.verify``), ``weights.index.json`` agreeing with every device header;
 * golden — ``validation/golden_inputs.npz``, ``golden_intermediates.npz``, ``tolerances.yaml``,
   both npz files from the same run (content hash);
 * per-layer numerics / end-to-end cases — ``reports/signoff.json`` written by ``validate`` on the
@@ -351,7 +351,7 @@ def evaluate_stages(target: str, capacity_passed: bool, capacity_verdict: str, b
 
     Args:
         bounds: ``(batch, context) -> (TPOT, TTFT)`` lower bounds, for the performance evidence.
-        verify_fn: ``bundle -> VerifyReport`` (``k3bundle.check.verify.verify``).
+        verify_fn: ``bundle -> VerifyReport`` (``k3bundle.provenance.verify.verify``).
     """
     cap = Stage("capacity", "capacity", capacity_passed,
                 evidence=capacity_verdict if capacity_passed else "",

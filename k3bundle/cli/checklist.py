@@ -9,7 +9,7 @@ import typer
 
 from k3bundle.checklist import DEFAULT_BATCH, DEFAULT_CONTEXT, make_checklist, to_markdown
 from k3bundle.checklist import ChecklistError, save_checklist
-from k3bundle.check.verify import LEVELS
+from k3bundle.provenance.verify import LEVELS
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output, exit_with
 
 EXAMPLES = [

@@ -10,7 +10,7 @@ import typer
 from k3bundle.cli._common import JsonOpt, Output
 from k3bundle.errors import SafetensorsError
 from k3bundle.io import read_header
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 
 EXAMPLES = [
     "k3bundle inspect /ckpt/Kimi-K3",

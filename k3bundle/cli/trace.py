@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from k3bundle.check.trace import trace as run_trace
+from k3bundle.provenance.trace import trace as run_trace
 from k3bundle.cli._common import JsonOpt, Output
 
 EXAMPLES = [

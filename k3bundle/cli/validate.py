@@ -7,13 +7,13 @@ from typing import Annotated
 
 import typer
 
-from k3bundle.check.verify import LEVELS
+from k3bundle.provenance.verify import LEVELS
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar, sigterm_raises
 from k3bundle.file_names import REPORTS_DIR
 from k3bundle.validate.errors import Terminated
 from k3bundle.validate.report import discard_reports, start_run, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
-from k3bundle.validate.sources import open_device
+from k3bundle.validate.device_options import open_device
 
 EXAMPLES = [
     "k3bundle validate /tmp/k3-bundle",

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from k3bundle.check.verify import verify as run_verify
+from k3bundle.provenance.verify import verify as run_verify
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar
 
 EXAMPLES = [

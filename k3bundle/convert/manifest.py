@@ -9,7 +9,7 @@ import re
 from k3bundle import __version__
 from k3bundle.bundle.common import json_bytes
 from k3bundle.bundle.manifest import MANIFEST_KIND, MANIFEST_SCHEMA_VERSION
-from k3bundle.convert.sources import SourceFiles
+from k3bundle.convert.source_files import SourceFiles
 from k3bundle.file_names import DEVICE_DIR, LAYOUT
 from k3bundle.io.files import sha256_file
 from k3bundle.plan import Plan

@@ -46,7 +46,7 @@ from k3bundle.bundle.index_writer import write_index
 from k3bundle.convert.errors import ConvertError
 from k3bundle.convert.journal import JOURNAL, Journal, recorded
 from k3bundle.convert.manifest import build_manifest, convention_file
-from k3bundle.convert.sources import SourceFiles
+from k3bundle.convert.source_files import SourceFiles
 from k3bundle.convert.unit import TMP_SUFFIX, UnitResult, build_unit, disk_error, run_unit
 from k3bundle.errors import JsonFileError
 from k3bundle.file_names import CONFIG, DEVICE_DIR, GRAPH_MANIFEST, LAYOUT, MANIFEST, SOURCE_INDEX, WEIGHTS_INDEX
@@ -55,7 +55,7 @@ from k3bundle.io.strict_json import read_json
 from k3bundle.layouts import load_layout
 from k3bundle.plan import Plan, plan_for_source
 from k3bundle.plan.files import shard_files
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 
 SKIP_SPACE_CHECK_ENV = "K3BUNDLE_SKIP_SPACE_CHECK"  # test hook: exercise a real ENOSPC mid-write
 

@@ -46,7 +46,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.ops.expert_weight import ExpertWeight, logical
 from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 
 EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (spec §2.8)
 MXFP4_GROUPED = "mxfp4_weight_gemm_grouped"  # the release stores routed experts MXFP4

@@ -29,7 +29,7 @@ from k3bundle.formats import mxfp4
 from k3bundle.layouts import FormatRule, Layout, LayoutError
 from k3bundle.plan.storage import DevicePart, device_parts, storage_format
 from k3bundle.schema import RELEASE_PREFIX, TP, Role, Schema, Scope, Section, TensorSpec
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 
 # unit -> (rule name, what the unit counts, config field), for the TP divisibility rules
 _UNIT_RULES = {

@@ -8,7 +8,7 @@ from k3bundle.config import load_config
 from k3bundle.layouts import load_layout
 from k3bundle.plan.placement import Plan, make_plan, plan_for_source
 from k3bundle.presets import preset_config
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 
 
 def plan_from(target: str, source: Path | None = None, config: Path | None = None,

@@ -241,7 +241,7 @@ def check_integrity(bundle: Path, level: str, seed: int, reads_weights: bool) ->
     the cases still run, so a changed weight is also located to its layer. Level ``sample``
     re-hashes every file the run reads: the weights when the built-in device computes on them,
     else the metadata and a seeded sample."""
-    from k3bundle.check.verify import verify
+    from k3bundle.provenance.verify import verify
 
     if not (bundle / MANIFEST).is_file():
         return "not checked: a source checkpoint (no manifest)", []
@@ -270,7 +270,7 @@ def select_cases(listed: list[dict], names: Sequence[str] | None) -> list[dict]:
 def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
              progress: Callable[[int, int, str], None] | None = None, verify_level: str = "sample",
              verify_seed: int = 0, cases: Sequence[str] | None = None) -> Report:
-    """Judge ``device`` (``validate.sources.open_device``) against the goldens of ``bundle``.
+    """Judge ``device`` (``validate.device_options.open_device``) against the goldens of ``bundle``.
 
     Args:
         bundle (`Path`): the bundle (or checkpoint) whose ``validation/`` holds the goldens.

@@ -24,7 +24,7 @@ from k3bundle.bundle.weights import BundleWeights, read_format
 from k3bundle.formats import mxfp4
 from k3bundle.schema import ROLE_BY_NAME, Format
 from k3bundle.schema.roles import Scope
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 from k3bundle.storage import CONVENTIONS, COPY
 from k3bundle.storage.arrays import block_amax
 

@@ -50,8 +50,8 @@ from k3bundle.bundle.graph import graph_manifest
 from k3bundle.bundle.index import entry_format, read_index
 from k3bundle.bundle.index_writer import write_index
 from k3bundle.bundle.manifest import read_manifest
-from k3bundle.check.trace import source_key
-from k3bundle.check.values import check_values
+from k3bundle.provenance.trace import source_key
+from k3bundle.provenance.values import check_values
 from k3bundle.convert.manifest import convention_file
 from k3bundle.convert.run import convert_shard, worker_init
 from k3bundle.convert.unit import build_unit, run_unit
@@ -65,7 +65,7 @@ from k3bundle.layouts import load_layout
 from k3bundle.plan import plan_for_source
 from k3bundle.plan.storage import EXACT_TRANSFORMS
 from k3bundle.schema import ROLE_BY_NAME
-from k3bundle.source import SourceCheckpoint
+from k3bundle.checkpoint import SourceCheckpoint
 from k3bundle.storage import SWIZZLE
 
 CHUNK = 64 << 20
