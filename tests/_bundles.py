@@ -30,6 +30,25 @@ def bundle_for(layout: str, tiny_ckpt: Path, tmp_path_factory) -> Path:
     return _CACHE[layout]
 
 
+def bundle_with_goldens(ckpt: Path, layout: Path, root: Path, cases: tuple[str, ...] = ("greedy",),
+                        noise: bool = True) -> tuple[Path, Path]:
+    """``root/bundle``: ``ckpt`` converted with ``layout``, and goldens of the shipped ``cases``
+    (copied to ``root/cases``). Returns (bundle, cases folder)."""
+    import shutil
+
+    from k3bundle.convert import convert
+    from k3bundle.golden.generate import generate_goldens
+
+    folder = root / "cases"
+    folder.mkdir()
+    for name in cases:
+        shutil.copy(Path(__file__).resolve().parents[1] / "golden" / "cases" / f"{name}.yaml", folder)
+    bundle = root / "bundle"
+    convert(ckpt, str(layout), bundle, workers=1)
+    generate_goldens(bundle, cases_dir=folder, noise=noise)
+    return bundle, folder
+
+
 def file_hashes(root: Path) -> dict[str, str]:
     import hashlib
 

@@ -18,6 +18,7 @@ from k3bundle.bundle.manifest import read_manifest
 from k3bundle.io.files import relpath_problem
 from k3bundle.pull.errors import PullError
 from k3bundle.pull.paths import check_name
+from tests._bundles import bundle_with_goldens
 from tests.conftest import REPO, run_cli
 
 TINY_TP2 = REPO / "tests" / "layouts" / "tiny-tp2.yaml"
@@ -45,16 +46,7 @@ def test_one_rule_for_file_names_read_from_files(name, why):
 @pytest.fixture(scope="module")
 def bundle(tiny_ckpt, tmp_path_factory):
     """A TP2 bundle of the tiny model with goldens of one short case."""
-    from k3bundle.convert import convert
-    from k3bundle.golden.generate import generate_goldens
-
-    root = tmp_path_factory.mktemp("escape")
-    cases = root / "cases"
-    cases.mkdir()
-    shutil.copy(REPO / "golden" / "cases" / "greedy.yaml", cases)
-    out = root / "b"
-    convert(tiny_ckpt, str(TINY_TP2), out, workers=1)
-    generate_goldens(out, cases_dir=cases, noise=False)
+    out, cases = bundle_with_goldens(tiny_ckpt, TINY_TP2, tmp_path_factory.mktemp("escape"), noise=False)
     return {"bundle": out, "cases": cases}
 
 

@@ -23,6 +23,7 @@ import pytest
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.tolerances import tolerance_path
 from k3bundle.validate.errors import ValidateError
+from tests._bundles import bundle_with_goldens
 from tests.conftest import REPO, run_cli
 from tests.faults import run_cli_faulted
 
@@ -50,16 +51,8 @@ def sha256(path: Path) -> str:
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory, tiny_trained_ckpt):
     """A converted bundle with goldens (greedy case) that `validate` passed, and its root folder."""
-    from k3bundle.convert import convert
-    from k3bundle.golden.generate import generate_goldens
-
     root = tmp_path_factory.mktemp("verdicts")
-    cases = root / "cases"
-    cases.mkdir()
-    shutil.copy(REPO / "golden" / "cases" / "greedy.yaml", cases)
-    bundle = root / "bundle"
-    convert(tiny_trained_ckpt, str(LAYOUT), bundle, workers=1)
-    generate_goldens(bundle, cases_dir=cases)
+    bundle, cases = bundle_with_goldens(tiny_trained_ckpt, LAYOUT, root)
     r = run_cli("validate", str(bundle), "--json", env=ENV)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return {"bundle": bundle, "cases": cases, "root": root}
