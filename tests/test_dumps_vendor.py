@@ -2,23 +2,28 @@
 k3bundle on the writing side), with exactly the required taps: the golden values rounded to
 BF16 or F16 pass on every shipped case; one layer's output scaled by 1.01 is located to that
 layer and tap (KDA, MLA and MoE layers); ``--cases`` judges a subset; every dump problem is
-listed at once."""
+listed at once. docs/dump-format.md's tap table is the tap table, its shapes the goldens', and
+its example writer (docs/examples/write_dumps.py, numpy and zstandard only) runs end to end."""
 
 from __future__ import annotations
 
+import ast
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from k3bundle.config import load_config
-from k3bundle.executor.taps import SPEC, TAPS
+from k3bundle.executor.taps import SPEC, TAPS, tap_table_markdown
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_meta, read_npz
 from k3bundle.validate.run import validate
 from k3bundle.validate.device_options import open_device
+from tests._docs import block
 from tests.conftest import run_cli
 
 
@@ -162,3 +167,63 @@ def test_every_dump_problem_is_listed_at_once(ckpt, tmp_path):
     assert "greedy.safetensors: tensor 'logits' has 1 NaN/Inf value(s)" in found[2]
     assert "thinking.safetensors: missing dump for case 'thinking'" in found[3]
     assert not (tmp_path / "r" / "signoff.json").exists()  # nothing judged, no report
+
+
+def test_the_dump_format_tap_table_is_the_tap_table():
+    assert block("dump-format.md", "taps") == tap_table_markdown(), "rerun `python -m tests._docs`"
+    rows = [r.split("|")[1:-1] for r in tap_table_markdown().splitlines()[2:]]
+    assert [r[0].strip().strip("`") for r in rows] == [s.name("{l}") for s in TAPS]
+    required = [r[0].strip().strip("`") for r in rows if r[3].strip() == "yes"]
+    assert _required(1) == [n.replace("{l}", "0") for n in required]
+
+
+def _rank(shape: str) -> int:
+    """``[P, kv_lora_rank + qk_rope_head_dim]`` -> 2."""
+    return len(shape[shape.index("[") + 1: shape.index("]")].split(","))
+
+
+def test_the_documented_tap_shapes_are_the_goldens(ckpt):
+    """Each tap's documented shape has the rank of the golden arrays, P being the positions."""
+    golden = _cases(ckpt)["greedy"]
+    seen = set()
+    for name, a in golden.items():
+        spec = SPEC.get(name.rsplit(".", 1)[-1])
+        if spec is None or name.startswith(("decode", "routes.", "chunk_states.", "bf16_noise.")) or "/" in name:
+            continue
+        seen.add(spec.kind)
+        assert a.ndim == _rank(spec.shape), (name, a.shape, spec.shape)
+        if spec.shape.startswith("[P"):
+            assert a.shape[0] == golden["positions"].shape[0], name
+        assert (a.dtype.kind == "i") == ("int64" in spec.shape), (name, a.dtype)
+    assert seen == {s.kind for s in TAPS}
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "write_dumps.py"
+
+
+def test_the_example_writer_imports_no_k3bundle():
+    mods = {a.name for n in ast.walk(ast.parse(EXAMPLE.read_text())) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module for n in ast.walk(ast.parse(EXAMPLE.read_text())) if isinstance(n, ast.ImportFrom)}
+    assert mods == {"__future__", "io", "json", "struct", "sys", "pathlib", "numpy", "zstandard"}
+
+
+def _example(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-I", str(EXAMPLE), *args], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_documented_example_passes_and_locates_a_planted_fault(ckpt, tmp_path):
+    """docs/dump-format.md's example end to end: its dumps of the goldens in BF16 pass every case;
+    its ``--scale`` of one MoE layer's output by 1.01 is located to that layer and tap."""
+    _example(str(ckpt / "validation"), str(tmp_path / "ok"))
+    assert sorted(p.stem for p in (tmp_path / "ok").iterdir()) == sorted(_cases(ckpt))
+    rep, cases = _judge(ckpt, tmp_path / "ok")
+    assert rep.passed and {n for n, c in cases.items() if c.status == "pass"} == set(_cases(ckpt)), \
+        {n: (c.status, c.first_failure and c.first_failure.tap) for n, c in cases.items()}
+    name = f"layers.{_layer(ckpt, 'moe')}.ffn_out"
+    _example(str(ckpt / "validation"), str(tmp_path / "bad"), "--scale", f"{name}=1.01")
+    rep, cases = _judge(ckpt, tmp_path / "bad")
+    layered = [c for c in cases.values() if c.status != "not run" and not c.layer_checks]
+    assert not rep.passed and len(layered) >= 3
+    for c in layered:
+        assert c.status == "fail" and (c.first_failure.tap, c.first_failure.mode) == (name, "emulation"), c.name

@@ -1,32 +1,14 @@
 """Taps: named intermediates, and the one grammar every other module derives them from.
 
 Tap names are a **stable contract**: goldens, device dumps, tolerances and the comparator key
-on them (docs/executor.md lists them). ``TAPS`` below is the only list: forward order, where a
+on them (docs/dump-format.md lists them). ``TAPS`` below is the only list: forward order, where a
 tap occurs, whether it has a position axis, how validate judges it and whether a dump must
 carry it. ``{l}`` is the 0-based decoder layer.
 
-Per-position taps (one row per recorded position, leading axis = position):
-
-| name | value | shape |
-|---|---|---|
-| ``embed`` | h⁰, the token embedding (E0) | [D] |
-| ``layers.{l}.attn_res_out`` | AttnRes output before the mixer, x of A2 step 1 (pre input_layernorm) | [D] |
-| ``layers.{l}.mixer_out`` | the KDA / MLA output a (K7 / M5) | [D] |
-| ``layers.{l}.ffn_res_out`` | AttnRes output before the FFN, y of A2 step 5 (pre post_attention_layernorm) | [D] |
-| ``layers.{l}.router_ids`` | selected experts, torch.topk order (R2); MoE layers | [K] int64 |
-| ``layers.{l}.router_weights`` | their renormalised weights (R3), compute dtype | [K] |
-| ``layers.{l}.router_margin`` | biased score of the k-th minus the (k+1)-th expert (R2): near-tie measure | [] |
-| ``layers.{l}.ffn_out`` | the FFN output f (D1 / R7) | [D] |
-| ``final_hidden`` | h_final, the output AttnRes (before the final norm) | [D] |
-| ``logits`` | F1, compute dtype | [V] |
-
-State taps (the value after the last call that touched the layer; no position axis):
-
-| name | value | shape |
-|---|---|---|
-| ``layers.{l}.kda_state`` | recurrent state S (K5), key channels on rows | [H, dk, dv] |
-| ``layers.{l}.kda_conv`` | conv state, last 3 pre-conv inputs of q, k, v (K1) | [3, 3, P] |
-| ``layers.{l}.mla_latent`` | latent cache [ĉ_kv ‖ k_pe] (M2/M3), one row per position | [S, kv_lora + rope] |
+Each tap's value and shape are in the table too; ``tap_table_markdown`` renders it into
+docs/dump-format.md ("Taps"), and a test keeps that page equal to it. Per-position taps have one
+row per recorded position (leading axis P); state taps hold the value after the last call that
+touched the layer (no position axis).
 
 Values are detached CPU copies in the dtype they had (bf16 taps stay bf16; ``numpy()``
 upcasts them to float32 because numpy has no bfloat16).
@@ -50,6 +32,8 @@ class TapSpec:
     state: bool  # no position axis: the value after the last call (mla_latent: rows by position)
     judged: str  # "tensor" (distance metrics), "logits" (distribution), "router" (as sets), "evidence"
     in_dump: bool  # a device dump must carry it (docs/dump-format.md)
+    shape: str = ""  # in a golden file or a dump (docs/dump-format.md "Taps" has the legend)
+    value: str = ""  # what it is, with the equation numbers of docs/executor.md's spec sections
 
     def name(self, layer: int | None = None) -> str:
         return self.kind if self.where == "model" else f"layers.{layer}.{self.kind}"
@@ -57,20 +41,23 @@ class TapSpec:
 
 # Forward order: the order a layer produces them (mixer states belong to the mixer step but are
 # read after the layer, as the executor records them).
+_PD = "[P, D]"  # one row of the hidden size per tapped position
 TAPS: tuple[TapSpec, ...] = (
-    TapSpec("embed", "model", False, "tensor", False),
-    TapSpec("attn_res_out", "layer", False, "tensor", False),
-    TapSpec("mixer_out", "layer", False, "tensor", True),
-    TapSpec("ffn_res_out", "layer", False, "tensor", False),
-    TapSpec("router_ids", "moe", False, "router", False),
-    TapSpec("router_weights", "moe", False, "tensor", False),
-    TapSpec("router_margin", "moe", False, "evidence", False),
-    TapSpec("ffn_out", "layer", False, "tensor", True),
-    TapSpec("kda_state", "kda", True, "tensor", False),
-    TapSpec("kda_conv", "kda", True, "tensor", False),
-    TapSpec("mla_latent", "mla", True, "tensor", False),
-    TapSpec("final_hidden", "model", False, "tensor", True),
-    TapSpec("logits", "model", False, "logits", True),
+    TapSpec("embed", "model", False, "tensor", False, _PD, "h⁰, the token embedding (E0)"),
+    TapSpec("attn_res_out", "layer", False, "tensor", False, _PD, "AttnRes output before the mixer (A2 step 1, x)"),
+    TapSpec("mixer_out", "layer", False, "tensor", True, _PD, "the KDA or MLA output a (K7 / M5)"),
+    TapSpec("ffn_res_out", "layer", False, "tensor", False, _PD, "AttnRes output before the FFN (A2 step 5, y)"),
+    TapSpec("router_ids", "moe", False, "router", False, "[P, K] int64",
+            "chosen experts, torch.topk order (R2); judged as sets; replayed by the emulation (\"Expert choices\")"),
+    TapSpec("router_weights", "moe", False, "tensor", False, "[P, K]", "their renormalised weights (R3)"),
+    TapSpec("router_margin", "moe", False, "evidence", False, "[P]", "k-th minus (k+1)-th biased score (R2), unjudged"),
+    TapSpec("ffn_out", "layer", False, "tensor", True, _PD, "the FFN output f (dense D1 or MoE R7)"),
+    TapSpec("kda_state", "kda", True, "tensor", False, "[H, dk, dv]", "recurrent state S after the prompt (K5)"),
+    TapSpec("kda_conv", "kda", True, "tensor", False, "[3, W-1, Pc]", "conv state: last W-1 inputs of q, k, v (K1)"),
+    TapSpec("mla_latent", "mla", True, "tensor", False, "[P, kv_lora_rank + qk_rope_head_dim]",
+            "latent cache rows [ĉ_kv ‖ k_pe] (M2/M3) at the tapped positions"),
+    TapSpec("final_hidden", "model", False, "tensor", True, _PD, "h_final, the output AttnRes (before the final norm)"),
+    TapSpec("logits", "model", False, "logits", True, "[P, V]", "F1, judged as distributions (KL, top-1)"),
 )
 SPEC: dict[str, TapSpec] = {s.kind: s for s in TAPS}
 LAYER_TAPS = tuple(s for s in TAPS if s.where != "model")
@@ -115,6 +102,19 @@ def dump_required(num_layers: int) -> list[str]:
     assert all(s.where in ("layer", "model") for s in need)
     names = [s.name(l) for l in range(num_layers) for s in need if s.where == "layer"]
     return names + [s.name() for s in need if s.where == "model"]
+
+
+_WHERE = {"model": "once", "layer": "every layer", "moe": "MoE layers", "kda": "KDA layers",
+          "mla": "MLA layers"}
+
+
+def tap_table_markdown() -> str:
+    """``TAPS`` as the Markdown table of docs/dump-format.md ("Taps"), in forward order."""
+    rows = ["| tensor | layers | shape | required | value |", "|---|---|---|---|---|"]
+    for s in TAPS:
+        rows.append(f"| `{s.name('{l}')}` | {_WHERE[s.where]} | {s.shape} | {'yes' if s.in_dump else 'no'} "
+                    f"| {s.value} |")
+    return "\n".join(rows) + "\n"
 
 
 def forward_key(name: str) -> tuple:
