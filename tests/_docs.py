@@ -32,8 +32,9 @@ def fill(page: str, key: str, body: str) -> None:
 def blocks() -> dict[tuple[str, str], Callable[[], str]]:
     """(page, key) -> its renderer."""
     from k3bundle.executor.taps import tap_table_markdown
+    from k3bundle.ops.contract import contracts_markdown
 
-    return {("dump-format.md", "taps"): tap_table_markdown}
+    return {("dump-format.md", "taps"): tap_table_markdown, ("kernels.md", "contracts"): contracts_markdown}
 
 
 if __name__ == "__main__":

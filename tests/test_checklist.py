@@ -18,6 +18,7 @@ from k3bundle.checklist import CAPACITY_MARGIN, ChecklistError, make_checklist, 
 from k3bundle.checklist.quantity import gb
 from k3bundle.checklist.render import SECTIONS
 from k3bundle.checklist.stages import REQUIRED_CASE_KINDS
+from k3bundle.ops.contract import OP_CONTRACTS
 from tests.conftest import REPO, run_cli
 
 # ------------------------------------------------------------------------------------------
@@ -168,6 +169,10 @@ def test_example_accelerator_renders_every_section():
         assert f"`{k.op}`" in md and "no shape rule" not in k.shapes
     gemm = next(k for k in cl.kernels if k.op == "mxfp4_weight_gemm_grouped")
     assert "56 experts × [3072×3584]" in gemm.shapes  # ep 16: 896 / 16 whole experts per rank
+    # the conv state in the op contract's notation, [W-1, P]: 96 KDA heads × 128 / tp 4, kernel 4
+    conv = next(k for k in cl.kernels if k.op == "causal_short_conv1d_with_state")
+    assert OP_CONTRACTS[conv.op].args[2].shape == "[W-1, P]"
+    assert "u [T, 3072], weight [3072, 1, 4] F32, state [3, 3072] BF16 per request" in conv.shapes, conv.shapes
     for key in ("oom", "collective_timeout", "bad_page", "device_reset"):
         assert f"`{key}`" in md
     assert "24–72 h" in md

@@ -8,8 +8,12 @@ executor without any backend for the plumbing (bit-identical logits).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,8 @@ from k3bundle.kernels.cases import Sizes
 from k3bundle.kernels.planted import BUGS
 from k3bundle.kernels.target import target_dims
 from k3bundle.kernels.torch_ops import mxfp4_lut_decode
+from k3bundle.ops.contract import OP_CONTRACTS, contracts_markdown
+from tests._docs import block
 from tests.conftest import run_cli
 
 SIZES = Sizes(prefill=160, decode_batch=3, context=96)
@@ -172,3 +178,79 @@ def test_an_installed_entry_point_backend_loads_by_name(tiny_ckpt, tmp_path, mon
     assert r.returncode == 0, r.stderr[-1500:]
     data = json.loads((tmp_path / "r" / "kernels.json").read_text())
     assert data["passed"] and [o["status"] for o in data["ops"] if o["op"] == "gated_mla_prefill"] == ["pass"], data
+
+
+def test_the_documented_contracts_are_the_contract_table():
+    assert block("kernels.md", "contracts") == contracts_markdown(), "rerun `python -m tests._docs`"
+
+
+@pytest.mark.parametrize("module", ["k3bundle.kernels.reference", "k3bundle.kernels.torch_ops",
+                                    "k3bundle.kernels.fla_kda", "tests.backends.one_op"])
+def test_every_implementation_takes_the_documented_call(module):
+    """Each shipped op's signature has the contract's positional arguments in order, and its
+    keywords (a keyword with a default in the contract may be absent from the call, so the
+    implementation must default it too)."""
+    mod = importlib.import_module(module)
+    for op, c in OP_CONTRACTS.items():
+        fn = getattr(mod, op, None)
+        if fn is None:
+            continue
+        params = inspect.signature(fn).parameters.values()
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keywords = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY}
+        assert positional == [a.name for a in c.args], (module, op)
+        assert {k.name for k in c.keywords} <= set(keywords), (module, op)
+        assert all(keywords[k.name] is not inspect.Parameter.empty for k in c.keywords if k.default), (module, op)
+        assert all(v is not inspect.Parameter.empty for k, v in keywords.items()
+                   if k not in {a.name for a in c.keywords}), (module, op)  # extra keywords need defaults
+
+
+def test_the_one_op_example_is_its_own_code():
+    from tests.backends import one_op
+
+    assert one_op.gated_mla_prefill.__module__ == "tests.backends.one_op"
+
+
+MISSPELT = '''
+import torch
+
+NAME = "misspelt"
+
+
+def gated_mla_prefil(q, k, v, gate, *, offset, scale):  # one letter short: no op
+    raise AssertionError("never called")
+
+
+def causal_short_conv1d_with_state(u, weight, state):
+    from k3bundle.kernels.reference import causal_short_conv1d_with_state as ref
+    return ref(u, weight, state)
+
+
+def helper(x):  # public, but near no op name
+    return x
+'''
+
+
+def test_a_function_near_an_op_name_is_warned_and_a_module_in_the_working_directory_loads(tiny_ckpt, tmp_path):
+    (tmp_path / "my_vendor_ops.py").write_text(MISSPELT)
+    repo = Path(__file__).resolve().parents[1]
+    # -P: the working directory is not on sys.path, as for the installed `k3bundle` script
+    r = subprocess.run([sys.executable, "-P", "-m", "k3bundle", "kernels", "--target", "h200-tp16-ep16",
+                        "--config", str(tiny_ckpt / "config.json"), "--tokens", "96", "--reps", "0",
+                        "--backend", "my_vendor_ops", "--ops", "causal_short_conv1d_with_state", "--json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stderr[-1500:]
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "'gated_mla_prefil'" in warnings[0] and "'gated_mla_prefill'" in warnings[0], r.stderr
+    assert "helper" not in r.stderr and "torch" not in warnings[0]
+    data = json.loads(r.stdout)
+    assert [o["status"] for o in data["ops"] if o["op"] == "causal_short_conv1d_with_state"] == ["pass"]
+
+
+def test_a_module_of_misspelt_ops_only_is_refused_with_the_near_name(tmp_path, monkeypatch):
+    (tmp_path / "only_misspelt.py").write_text("def kda_recurent_decode(*a, **k):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory is added for this test only
+    with pytest.raises(K3Error, match="defines none of the ops.*'kda_recurent_decode'.*'kda_recurrent_decode'"):
+        backends.load("only_misspelt")

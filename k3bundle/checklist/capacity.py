@@ -8,7 +8,8 @@ Per rank, for the rank with the most weight bytes in each pipeline stage:
 * MLA latent per token = ``n_mla(stage) × (kv_lora_rank + qk_rope_head_dim) × 2 B``, the whole
   latent on every TP rank (spec §5.3: replicated unless decode context parallelism); attention
   data parallelism does not shrink it, it multiplies the replicas that hold different tokens;
-* KDA state per request = ``n_kda(stage) × (recurrent FP32 [H, d, d] + conv BF16 [3·H·d, kc−1]) / tp``
+* KDA state per request = ``n_kda(stage) × (recurrent FP32 [H, d, d] + conv BF16 3 × [kc−1, H·d]) / tp`` (the conv
+  state in the op contract's notation, ``[W-1, P]`` once each for q, k and v)
   (heads are split by TP);
 * a request of ``context`` tokens costs ``context × latent + state`` on each rank that serves it;
   an attention-DP replica serves ``ceil(batch / attention_dp)`` of the batch.
@@ -155,6 +156,11 @@ def capacity(plan: Plan, manifest: dict, context: int, batch: int) -> Capacity:
     return cap
 
 
+def _conv_shape(shape: list[int]) -> str:
+    """The manifest's conv state [3·P, W-1] in the op contract's notation: 3 × [W-1, P] (q, k, v)."""
+    return f"3 × [{shape[1]}, {shape[0] // 3}]"
+
+
 def _quantities(plan: Plan, manifest: dict, c: Capacity) -> list[Quantity]:
     """The capacity numbers of the limiting stage, each with its formula."""
     s = c.limiting
@@ -189,7 +195,7 @@ def _quantities(plan: Plan, manifest: dict, c: Capacity) -> list[Quantity]:
                  + latent_note),
         Quantity("kda_state_bytes_per_request_total", "KDA state per request (all heads)",
                  s.kda_layers * (rec["bytes"] + conv["bytes"]), "B/request",
-                 f"n_kda × (recurrent FP32 {rec['shape']} + conv BF16 {conv['shape']}) = {s.kda_layers} × "
+                 f"n_kda × (recurrent FP32 {rec['shape']} + conv BF16 {_conv_shape(conv['shape'])}) = {s.kda_layers} × "
                  f"({rec['bytes']:,} + {conv['bytes']:,})"),
         Quantity("kda_state_bytes_per_request", "KDA state per request per rank", s.state_per_request, "B/request",
                  f"KDA state per request / tp = {s.kda_layers * (rec['bytes'] + conv['bytes']):,} / {tp}"),

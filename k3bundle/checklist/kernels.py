@@ -57,9 +57,10 @@ _SHAPES: dict[str, Callable[[dict], str]] = {
     "kda_recurrent_decode": lambda x: (
         f"q, k, v [B, {x['H']}, {x['d']}], g [B, {x['H']}, {x['d']}], beta [B, {x['H']}], state "
         f"[B, {x['H']}, {x['d']}, {x['d']}] F32 read + write"),
+    # the op contract's own notation (ops.contract: u [T, P], weight [P, 1, W], state [W-1, P])
     "causal_short_conv1d_with_state": lambda x: (
-        f"x [T, 3 × {x['H'] * x['d']}], weight [3 × {x['H'] * x['d']}, {x['kc']}] F32, state "
-        f"[B, 3 × {x['H'] * x['d']}, {x['kc'] - 1}] BF16"),
+        f"u [T, {x['H'] * x['d']}], weight [{x['H'] * x['d']}, 1, {x['kc']}] F32, state [{x['kc'] - 1}, "
+        f"{x['H'] * x['d']}] BF16 per request; once each for q, k and v"),
     "gated_mla_prefill": lambda x: (
         f"q [T, {x['Hm']}, {x['qk']}], k [T, {x['Hm']}, {x['qk']}] (k_pe shared by heads), v [T, {x['Hm']}, "
         f"{x['dv']}], sigmoid gate [T, {x['Hm'] * x['dv']}], causal, scale {x['qk']}^-1/2, no RoPE"),

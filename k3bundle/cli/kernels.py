@@ -54,6 +54,7 @@ def kernels(
             raise K3Error(f"--ops {', '.join(unknown)}: not a custom op of {name} ({', '.join(target_ops)})")
         chosen = [o for o in target_ops if o in ops]
     b = backends.load(backend)
+    backends.print_warnings(b)
     o = Output(json_)
     res = conformance.run(b, dims, chosen, name, device, dtype, Sizes(tokens, batch, context), seed, reps,
                           device_card(device), cases, progress=None if json_ else (lambda s: o.info(f"  {s}")))

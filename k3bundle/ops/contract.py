@@ -1,5 +1,7 @@
 """The op contracts of ``graph_manifest.json`` ``custom_ops`` and ``Backend``, the set of op
-implementations a device brings (docs/kernels.md has the long form of each contract).
+implementations a device brings. ``OP_CONTRACTS`` is the calling convention, argument by
+argument; ``contracts_markdown`` renders it as docs/kernels.md "Op contracts", and a test keeps
+that page and the shipped implementations' signatures equal to it.
 
 The executor's blocks ask a backend for an op with their own reference form as the fallback
 (``Backend.op(name, reference)``): an op a backend lacks runs on the reference and is reported
@@ -14,34 +16,140 @@ from dataclasses import dataclass, field
 
 from k3bundle.errors import K3Error
 
-#: op -> its contract in one line (docs/kernels.md has the long form). Tensors named [T, ...] are
-#: one request's new tokens; [B, ...] one row per request. "act" is the activation dtype of the
-#: dtype policy (bf16 on a serving device), "f32" the state dtype (FP32; FP64 under float64).
-OP_CONTRACTS: dict[str, str] = {
-    "kda_chunked_prefill": (
-        "(q, k [T,H,K] act (before L2 norm), v [T,H,V] act, g [T,H,K] act (gate input before dt_bias), "
-        "beta [T,H] act (logits), A_log [H] f32, dt_bias [H,K] f32, state [N,H,K,V] f32 (key rows), "
-        "cu_seqlens [N+1] long; lower_bound, chunk) -> (o [T,H,V], final state [N,H,K,V] f32); "
-        "K2-K5: L2 norm and K^-1/2 inside, gate lower_bound*sigmoid(exp(A_log)*(g+dt_bias)), beta sigmoid"),
-    "kda_recurrent_decode": (
-        "(q, k [B,H,K], v [B,H,V], g [B,H,K], beta [B,H] act, A_log, dt_bias, state [B,H,K,V] f32; "
-        "lower_bound) -> (o [B,H,V], new state [B,H,K,V]); one token per request, K2-K5"),
-    "causal_short_conv1d_with_state": (
-        "(u [T,P] act, weight [P,1,W] f32, state [W-1,P] act) -> (SiLU(conv) [T,P] act, new state [W-1,P]); K1"),
-    "gated_mla_prefill": (
-        "(q [T,H,E] act, k [S,H,E] act, v [S,H,V] act, gate [T,H*V] act (logits); offset, scale) -> "
-        "y [T,H*V] act = softmax_causal(q k^T * scale) v ⊙ sigmoid(gate); query t at position offset + t; M4-M5"),
-    "gated_mla_decode_latent_cache": (
-        "(q_nope [B,H,N], q_pe [B,H,R] act, latent [B,S,L+R] act, lengths [B] long, w_kvb [H,N+V,L], "
-        "gate [B,H*V] act; scale) -> y [B,H*V] act; request b reads latent[b, :lengths[b]], absorbed W_UK/W_UV"),
-    "sigmoid_biased_topk_router": (
-        "(x [T,D] act, w [E,D], bias [E] f32; top_k, scaling, forced_ids [T,K] or None) -> "
-        "(ids [T,K] long, weights [T,K] f32); R1-R3, bias selects only, weights of forced_ids when given"),
-    "mxfp4_weight_gemm_grouped": (
-        "(z [T,Lr] act, ids [T,K] long, weights [T,K] f32, experts; situ_beta, situ_cap) -> r [T,Lr] f32; "
-        "R5 = Σ_k w_k GLU_e(z) with experts(e) -> {w1, w3, w2: ExpertWeight} or None (another rank's)"),
+@dataclass(frozen=True)
+class Arg:
+    """One argument or result of an op. ``shape`` in the legend of ``SHAPE_LEGEND`` ("" for a
+    scalar or a callable); ``dtype``: ``act`` (the activation dtype of the dtype policy: bf16 on
+    a serving device, float64 for the reference), ``f32`` (the state dtype: FP32, FP64 under
+    float64), ``int64``, or a Python type for a scalar."""
+
+    name: str
+    shape: str = ""
+    dtype: str = ""
+    note: str = ""
+    default: str | None = None  # keyword arguments: the value when the caller leaves it out
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """How the executor calls an op: ``op(*args, **keywords) -> returns`` (a tuple where several)."""
+
+    args: tuple[Arg, ...]  # positional, in this order
+    keywords: tuple[Arg, ...]  # keyword-only
+    returns: tuple[Arg, ...]
+    does: str  # the math, with the equation numbers of docs/executor.md's spec sections
+
+    def signature(self) -> str:
+        kw = [k.name if k.default is None else f"{k.name}={k.default}" for k in self.keywords]
+        res = ", ".join(r.name for r in self.returns)
+        return (f"({', '.join([a.name for a in self.args] + (['*'] + kw if kw else []))}) -> "
+                + (f"({res})" if len(self.returns) > 1 else res))
+
+
+#: the letters of the shapes below
+SHAPE_LEGEND: dict[str, str] = {
+    "T": "new tokens of one request (prefill), or of all requests concatenated (varlen)",
+    "B": "requests, one new token each (decode)",
+    "N": "sequences of a varlen prefill (cu_seqlens has N+1 entries)",
+    "S": "keys a query may attend: cached plus new tokens",
+    "H": "heads on this rank (KDA or MLA)",
+    "K": "KDA key head dim",
+    "V": "value head dim (KDA, or MLA v_head_dim)",
+    "P": "one KDA projection's width on this rank, H·K (the conv runs once each for q, k and v)",
+    "W": "short-conv kernel width (short_conv_kernel_size)",
+    "Q": "MLA query/key head dim, qk_nope_head_dim + qk_rope_head_dim",
+    "Qn": "qk_nope_head_dim",
+    "R": "qk_rope_head_dim",
+    "L": "kv_lora_rank (the latent width)",
+    "D": "hidden size",
+    "X": "routed experts",
+    "Kx": "experts per token (top_k)",
+    "Lr": "routed expert hidden size (the latent MoE width)",
+}
+
+_KDA_IN = (
+    Arg("q", "[T, H, K]", "act", "before the L2 norm (the op normalises)"),
+    Arg("k", "[T, H, K]", "act", "before the L2 norm"),
+    Arg("v", "[T, H, V]", "act"),
+    Arg("g", "[T, H, K]", "act", "gate input, before dt_bias"),
+    Arg("beta", "[T, H]", "act", "logits (the op applies the sigmoid)"),
+    Arg("A_log", "[H]", "f32"),
+    Arg("dt_bias", "[H, K]", "f32"),
+)
+_KDA_MATH = ("K2-K5: L2 norm and K^-1/2 scaling of q, k inside; gate lower_bound·sigmoid(exp(A_log)·(g + dt_bias)); "
+             "beta through sigmoid; the state holds key channels on rows")
+
+
+def _decode(a: Arg) -> Arg:
+    return Arg(a.name, a.shape.replace("[T,", "[B,"), a.dtype, a.note)
+
+
+#: op -> how the executor calls it (docs/kernels.md "Op contracts" is rendered from this table)
+OP_CONTRACTS: dict[str, OpContract] = {
+    "kda_chunked_prefill": OpContract(
+        _KDA_IN + (Arg("state", "[N, H, K, V]", "f32", "initial state per sequence"),
+                   Arg("cu_seqlens", "[N+1]", "int64", "sequence starts in T, then T")),
+        (Arg("lower_bound", "", "float", "gate lower bound (-5)"), Arg("chunk", "", "int", "chunk length", "64")),
+        (Arg("o", "[T, H, V]", "act"), Arg("state", "[N, H, K, V]", "f32", "final state per sequence")),
+        _KDA_MATH),
+    "kda_recurrent_decode": OpContract(
+        tuple(_decode(a) for a in _KDA_IN) + (Arg("state", "[B, H, K, V]", "f32"),),
+        (Arg("lower_bound", "", "float"),),
+        (Arg("o", "[B, H, V]", "act"), Arg("state", "[B, H, K, V]", "f32", "the new state")),
+        "one token per request; " + _KDA_MATH),
+    "causal_short_conv1d_with_state": OpContract(
+        (Arg("u", "[T, P]", "act", "pre-conv input of q, k or v"), Arg("weight", "[P, 1, W]", "f32", "depthwise"),
+         Arg("state", "[W-1, P]", "act", "the previous W-1 inputs")),
+        (),
+        (Arg("out", "[T, P]", "act", "SiLU(causal conv)"), Arg("state", "[W-1, P]", "act", "the last W-1 inputs")),
+        "K1: depthwise causal conv over [state ‖ u], then SiLU"),
+    "gated_mla_prefill": OpContract(
+        (Arg("q", "[T, H, Q]", "act"), Arg("k", "[S, H, Q]", "act"), Arg("v", "[S, H, V]", "act"),
+         Arg("gate", "[T, H·V]", "act", "logits")),
+        (Arg("offset", "", "int", "position of query 0 (cached tokens before it)"),
+         Arg("scale", "", "float", "softmax scale, Q^-1/2")),
+        (Arg("y", "[T, H·V]", "act"),),
+        "M4-M5: softmax_causal(q kᵀ·scale) v ⊙ sigmoid(gate); query t at position offset + t sees keys "
+        "0..offset+t"),
+    "gated_mla_decode_latent_cache": OpContract(
+        (Arg("q_nope", "[B, H, Qn]", "act"), Arg("q_pe", "[B, H, R]", "act"),
+         Arg("latent", "[B, S, L+R]", "act", "[ĉ_kv ‖ k_pe] rows"), Arg("lengths", "[B]", "int64"),
+         Arg("w_kvb", "[H, Qn+V, L]", "act", "kv_b_proj: W_UK rows then W_UV rows per head"),
+         Arg("gate", "[B, H·V]", "act", "logits")),
+        (Arg("scale", "", "float"),),
+        (Arg("y", "[B, H·V]", "act"),),
+        "M4-M5 with W_UK/W_UV absorbed; request b attends latent[b, :lengths[b]]"),
+    "sigmoid_biased_topk_router": OpContract(
+        (Arg("x", "[T, D]", "act"), Arg("w", "[X, D]", "act"), Arg("bias", "[X]", "f32")),
+        (Arg("top_k", "", "int"), Arg("scaling", "", "float", "routed_scaling_factor"),
+         Arg("forced_ids", "[T, Kx]", "int64", "ids to use instead of choosing (teacher-forced runs)", "None")),
+        (Arg("ids", "[T, Kx]", "int64"), Arg("weights", "[T, Kx]", "f32")),
+        "R1-R3: sigmoid scores; the bias selects the top_k, it never weights; weights are the unbiased "
+        "scores renormalised × scaling (of forced_ids when given)"),
+    "mxfp4_weight_gemm_grouped": OpContract(
+        (Arg("z", "[T, Lr]", "act"), Arg("ids", "[T, Kx]", "int64"), Arg("weights", "[T, Kx]", "f32"),
+         Arg("experts", "", "callable", "experts(e) -> {'w1', 'w3', 'w2': ExpertWeight}, or None for "
+             "another rank's expert")),
+        (Arg("situ_beta", "", "float"), Arg("situ_cap", "", "float")),
+        (Arg("r", "[T, Lr]", "f32"),),
+        "R5: r = Σ_k w_k·GLU_e(z) over each token's experts. An ExpertWeight has .value() (dense), .mxfp4() "
+        "(packed codes + E8M0 scales) and .shape; ops.expert_weight.values(ws) decodes a group at once"),
 }
 OPS = tuple(OP_CONTRACTS)
+
+
+def contracts_markdown() -> str:
+    """``OP_CONTRACTS`` and ``SHAPE_LEGEND`` as docs/kernels.md's "Op contracts" (generated)."""
+    out = ["| letter | size |", "|---|---|"] + [f"| {k} | {v} |" for k, v in SHAPE_LEGEND.items()]
+    for op, c in OP_CONTRACTS.items():
+        out += ["", f"### `{op}`", "", "```python", f"{op}{c.signature()}", "```", "", c.does + ".", "",
+                "| argument | passed | shape | dtype | meaning |", "|---|---|---|---|---|"]
+        out += [f"| `{a.name}` | positional {i + 1} | {a.shape} | {a.dtype} | {a.note} |" for i, a in enumerate(c.args)]
+        out += [f"| `{a.name}` | keyword{'' if a.default is None else f', default {a.default}'} | {a.shape} "
+                f"| {a.dtype} | {a.note} |" for a in c.keywords]
+        out += [f"| → `{r.name}` | returned {i + 1} of {len(c.returns)} | {r.shape} | {r.dtype} | {r.note} |"
+                for i, r in enumerate(c.returns)]
+    return "\n".join(out) + "\n"
 
 
 @dataclass
@@ -52,6 +160,7 @@ class Backend:
     ops: dict[str, Callable] = field(default_factory=dict)
     devices: tuple[str, ...] | None = None  # device types it runs on (None: any)
     setup_fn: Callable | None = None
+    warnings: tuple[str, ...] = ()  # e.g. a function named near an op but none (kernels.backend.near_misses)
 
     def provides(self, op: str) -> bool:
         return op in self.ops

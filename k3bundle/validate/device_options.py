@@ -56,9 +56,10 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         if dumps is not None:
             raise ValidateError("--backend runs kernels in the built-in executor; --dumps judges an external "
                                 "runtime's intermediates: give one of them")
-        from k3bundle.kernels.backend import load
+        from k3bundle.kernels.backend import load, print_warnings
 
         kern = load(backend)
+        print_warnings(kern)
         kern.setup(device)
     if ranks not in ("merged", "distributed"):
         raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
