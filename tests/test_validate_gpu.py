@@ -148,3 +148,26 @@ def test_the_exact_check_runs_on_cuda_and_sees_a_weight_change_below_bf16(work, 
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-2000:])
     ff = [c for c in data["cases"] if c["status"] == "fail"][0]["first_failure"]
     assert (ff["layer"], ff["tap"], ff["mode"]) == (*where, "exact_gpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_the_distributed_path_runs_at_world_size_one(work, tmp_path, device):
+    """``--ranks distributed`` on a one-rank layout: every collective of the rank workers
+    (``all_reduce`` of partial sums, ``all_gather`` of logits and KDA heads) runs through the
+    process group, NCCL on CUDA and gloo on CPU. One GPU is enough to catch a host tensor handed
+    to NCCL (it refuses CPU tensors even at world size 1) before two GPUs are at hand; the CPU
+    run checks the same path under gloo, and both must pass every case."""
+    from k3bundle.convert import convert
+
+    layout = tmp_path / "tiny-tp1.yaml"
+    text = (REPO / "tests" / "layouts" / "tiny-tp2.yaml").read_text()
+    layout.write_text(text.replace("tiny-tp2", "tiny-tp1").replace("count: 2", "count: 1").replace("tp: 2", "tp: 1"))
+    b = tmp_path / "tiny-tp1"
+    convert(work["src"], str(layout), b, workers=1)
+    shutil.copytree(work["golden"], b / "validation")
+    r, data = _validate(b, "--device", device, "--ranks", "distributed", env=NCCL_ENV)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+    status = {c["name"]: c["status"] for c in data["cases"]}
+    assert status == {"greedy": "pass", "long_context": "pass", "image": "not run"}, status
+    r, _ = _validate(b, "--device", device, "--ranks", "distributed", "--nproc", "2")  # the rank path it took
+    assert r.returncode != 0 and "the layout has 1 ranks, --nproc 2 differs" in r.stderr, r.stderr[-2000:]

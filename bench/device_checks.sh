@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device-machine call, every check in parallel, results in $OUT:
+#   digest  bench/synth_digest.py --small on this host's CPU (docs/synthetic-models.md "Identical on
+#           every machine": a physical machine of another class)
+#   pinned  tests/test_pinned_outputs.py on this host's CPU (checkpoint and bundle bytes, golden
+#           decisions and float64 fingerprint) and the float32 goldens' content hash here
+#   gpu     tests/test_validate_gpu.py: CUDA goldens, faults located, the exact check, and the
+#           rank path at world size one under NCCL
+#   added   held-out clean bundles on CUDA under the shipped rules (added limits widened with the
+#           goldens' BF16 noise), tiny and tiny-trained seeds 1140-1149, b300-tp8 and gb300-dep16
+# Usage: bash bench/device_checks.sh [STAGE ...] (default: all), through the device tool with
+# carry [".whl"]. CAL_SECONDS bounds the added stage (default 420).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGES=${*:-digest pinned gpu added}
+nvidia-smi -L > "$OUT/machine.txt" 2>&1; grep -m1 "model name" /proc/cpuinfo >> "$OUT/machine.txt"; nproc >> "$OUT/machine.txt"
+python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)" >> "$OUT/machine.txt"
+for stage in $STAGES; do
+  case "$stage" in
+  digest) (OMP_NUM_THREADS=2 python3 bench/synth_digest.py --small > "$OUT/synth-digest.json" 2> "$OUT/synth-digest.err") & ;;
+  pinned) (OMP_NUM_THREADS=1 timeout 580 python3 -m pytest -q -p no:cacheprovider tests/test_pinned_outputs.py > "$OUT/pinned.txt" 2>&1
+           OMP_NUM_THREADS=1 python3 bench/golden_hash.py > "$OUT/golden-hash.json" 2>&1) & ;;
+  gpu) (timeout 580 python3 -m pytest -q -rs -p no:cacheprovider tests/test_validate_gpu.py > "$OUT/pytest-gpu.txt" 2>&1) & ;;
+  added) (alt() { for s in $(seq $1 $2); do echo "--preset tiny:$s --preset tiny-trained:$s"; done; }
+          OMP_NUM_THREADS=1 timeout ${CAL_SECONDS:-420} python3 bench/calibrate.py run --threads 1 --long-tokens 256 \
+            --out /tmp/cal-added-cuda --device cuda --workers 6 --no-faults $(alt 1140 1149) \
+            --layout b300-tp8 --layout gb300-dep16 > "$OUT/added-cuda.log" 2>&1
+          gzip -c /tmp/cal-added-cuda/records.jsonl > "$OUT/added-cuda.jsonl.gz") & ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+wait
+tail -3 "$OUT"/*.txt "$OUT"/*.log 2>/dev/null; cat "$OUT/synth-digest.json" "$OUT/golden-hash.json" 2>/dev/null
