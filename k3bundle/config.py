@@ -1,7 +1,7 @@
 """Typed view of a released-style Kimi K3 ``config.json``.
 
 The file nests ``text_config`` (with ``linear_attn_config`` and ``quantization_config``
-inside it) and ``vision_config`` under the top level (spec/kimi-k3.md §1). Parsing checks
+inside it) and ``vision_config`` under the top level (docs/kimi-k3.md §1). Parsing checks
 every field's type, that the fields k3bundle needs are present, and the cross-field rules
 that make the shapes possible; each failure is one ``ConfigError`` naming the field.
 
@@ -27,7 +27,7 @@ from k3bundle.io.strict_json import dotted, nonfinite_problem, read_json
 
 @dataclass(frozen=True)
 class LinearAttnConfig:
-    """``text_config.linear_attn_config``: the KDA layers (spec §1.2)."""
+    """``text_config.linear_attn_config``: the KDA layers (docs/kimi-k3.md §1.2)."""
 
     num_heads: int
     head_dim: int
@@ -52,7 +52,7 @@ class QuantWeights:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """``text_config.quantization_config`` (compressed-tensors; spec §1.2)."""
+    """``text_config.quantization_config`` (compressed-tensors; docs/kimi-k3.md §1.2)."""
 
     quant_method: str
     format: str
@@ -63,7 +63,7 @@ class QuantizationConfig:
 
 @dataclass(frozen=True)
 class TextConfig:
-    """``text_config``: the language model (spec §1.2)."""
+    """``text_config``: the language model (docs/kimi-k3.md §1.2)."""
 
     vocab_size: int
     hidden_size: int
@@ -100,7 +100,7 @@ class TextConfig:
     tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
-    # ---- derived facts (spec §1.2), computed, never stored in the file ----
+    # ---- derived facts (docs/kimi-k3.md §1.2), computed, never stored in the file ----
     def is_mla(self, layer: int) -> bool:
         """Layer ``layer`` (0-based) is Gated MLA; the config's lists are 1-based."""
         return (layer + 1) in self.linear_attn_config.full_attn_layers
@@ -122,12 +122,12 @@ class TextConfig:
 
     @property
     def a_log_len(self) -> int:
-        """A_log is stored zero-padded to a multiple of 128 (spec §2.5, open question 5)."""
+        """A_log is stored zero-padded to a multiple of 128 (docs/kimi-k3.md §2.3)."""
         return 128 * math.ceil(self.linear_attn_config.num_heads / 128)
 
     @property
     def block_openings(self) -> list[int]:
-        """Layers that open a new AttnRes block (spec A2 step 2)."""
+        """Layers that open a new AttnRes block (docs/kimi-k3.md (A2) step 2)."""
         return list(range(0, self.num_hidden_layers, self.attn_res_block_size))
 
     @property
@@ -138,7 +138,7 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """``vision_config``: MoonViT-V2 and its projector (spec §1.3)."""
+    """``vision_config``: MoonViT-V2 and its projector (docs/kimi-k3.md §1.3)."""
 
     vt_hidden_size: int
     vt_intermediate_size: int

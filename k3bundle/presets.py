@@ -3,8 +3,8 @@
 A preset file overrides fields of the released ``config.json``; everything the release
 derives from a rule is derived here the same way, so a preset cannot contradict it:
 the 1-based ``full_attn_layers``/``kda_layers`` lists (MLA where (l+1) % 4 == 0 and on
-the last layer, spec §1.2) and the special-token ids (same offsets from the end of the
-vocabulary as the release, spec §1.1 and §4.1).
+the last layer, docs/kimi-k3.md §1.2) and the special-token ids (same offsets from the end of the
+vocabulary as the release, docs/kimi-k3.md §1.1 and docs/chat.md).
 
 Presets are config, below everything that uses them: ``schema``/``plan``/``checklist`` read the
 config of a preset, ``synth`` writes a checkpoint of one.

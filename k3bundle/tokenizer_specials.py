@@ -6,7 +6,7 @@ for K3, n = 163,584 and the vocabulary is 163,840. Sixteen slots carry names (th
 of ``tokenizer_config.json:added_tokens_decoder``); every other slot is named
 ``<|reserved_token_{id}|>`` after its own absolute id.
 
-Sources (spec ``/work/shared/spec/kimi-k3.md`` §4.1 and §1.1, and):
+Sources (docs/chat.md and docs/kimi-k3.md §1.1, and):
 
 * NVIDIA-NeMo/Automodel ``nemo_automodel/components/models/kimi_k3/tokenization.py``
   (0a8e1be0, a copy of the release's ``tokenization_kimi.py``): 256 reserved slots after the
@@ -48,7 +48,7 @@ class NamedSpecial(NamedTuple):
 
 # The 16 named slots, in id order. For K3 (vocab 163,840) the ids are given in the trailing
 # comments; sources as in the module docstring (NEMO-TOK + mlxcel control_tokens.json +
-# simply; spec §4.1). Every other slot is a reserved name, see ``reserved_name``.
+# simply; docs/chat.md). Every other slot is a reserved name, see ``reserved_name``.
 NAMED_SPECIALS: tuple[NamedSpecial, ...] = (
     NamedSpecial("[BOS]", 256, True),  # 163584 (config bos_token_id)
     NamedSpecial("[EOS]", 255, True),  # 163585 (tokenizer eos_token)

@@ -33,8 +33,10 @@ def blocks() -> dict[tuple[str, str], Callable[[], str]]:
     """(page, key) -> its renderer."""
     from k3bundle.executor.taps import tap_table_markdown
     from k3bundle.ops.contract import contracts_markdown
+    from k3bundle.schema.table import role_table_markdown
 
-    return {("dump-format.md", "taps"): tap_table_markdown, ("kernels.md", "contracts"): contracts_markdown}
+    return {("dump-format.md", "taps"): tap_table_markdown, ("kernels.md", "contracts"): contracts_markdown,
+            ("kimi-k3.md", "roles"): role_table_markdown}
 
 
 if __name__ == "__main__":

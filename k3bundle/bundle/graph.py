@@ -1,6 +1,6 @@
 """``graph_manifest.json``: the layers, the custom ops a runtime must provide, the state schema.
 
-Everything here follows from the config, the layout and spec/kimi-k3.md §3 and §5.3; nothing is
+Everything here follows from the config, the layout and docs/kimi-k3.md §3 and §5.3; nothing is
 measured. Cache/state sizes (§5.3, dtypes as vLLM allocates them):
 
 * KDA (per layer, per request): recurrent state FP32 [H, d_k, d_v] and short-conv state in the

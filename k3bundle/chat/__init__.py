@@ -1,7 +1,6 @@
 """Kimi K3 chat format (XTML): render conversations, parse generated output.
 
-Spec ``/work/shared/spec/kimi-k3.md`` §4; the format and the API are described in
-``docs/chat.md``.
+The format and the API are described in ``docs/chat.md``.
 
 Render::
 

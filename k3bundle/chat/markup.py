@@ -1,6 +1,6 @@
 """XTML markup primitives: tags, end of message, attribute escaping, media blocks.
 
-Spec ``/work/shared/spec/kimi-k3.md`` §4.2 "Markup primitives". Every piece is its own
+Format: docs/chat.md, its markup primitives. Every piece is its own
 :class:`Segment` because segments are BPE'd separately; only the marker tokens and
 media blocks are structural. Token strings come from :mod:`k3bundle.tokenizer_specials`.
 """

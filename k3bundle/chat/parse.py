@@ -1,6 +1,6 @@
 """Parse generated K3 output into reasoning, content and tool calls, at once or streaming.
 
-Spec ``/work/shared/spec/kimi-k3.md`` §4.3. The input is what the model generated after
+Format: docs/chat.md, generated output. The input is what the model generated after
 the generation prompt: in thinking mode it starts inside the think channel
 (``REASONING<|close|>think<|sep|><|open|>response<|sep|>…``), otherwise inside the
 response channel. Behaviour follows vLLM's Kimi K3 parsers

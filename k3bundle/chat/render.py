@@ -1,6 +1,6 @@
 """Render a conversation as K3 XTML segments, text or token ids.
 
-Spec ``/work/shared/spec/kimi-k3.md`` §4.2; exact message texts and edge rules follow the
+Format: docs/chat.md, rendering; exact message texts and edge rules follow the
 release's ``encoding_k3.build_chat_segments`` (NVIDIA-NeMo/Automodel
 ``nemo_automodel/components/models/kimi_k3/encoding.py``); see ``docs/chat.md``.
 """
@@ -17,7 +17,7 @@ from k3bundle.chat import markup as mk
 from k3bundle.chat.errors import ChatError
 from k3bundle.chat.types import Segment
 
-#: Accepted ``thinking_effort`` values (release encoder; spec §6.3 notes ports that
+#: Accepted ``thinking_effort`` values (the release encoder's; some ports
 #: accept only low/high/max).
 THINKING_EFFORTS: tuple[str, ...] = ("low", "medium", "high", "max")
 

@@ -1,6 +1,6 @@
 """Data types of the K3 chat format: rendered segments and parsed output.
 
-Spec: ``/work/shared/spec/kimi-k3.md`` §4.2 (segments) and §4.3 (parsed output).
+Format: docs/chat.md (segments and parsed output).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Per rank, for the rank with the most weight bytes in each pipeline stage:
   activations, graphs and communication buffers);
 * ``free = usable − weights`` (weights from ``Plan.rank_bytes``, in their stored formats);
 * MLA latent per token = ``n_mla(stage) × (kv_lora_rank + qk_rope_head_dim) × 2 B``, the whole
-  latent on every TP rank (spec §5.3: replicated unless decode context parallelism); attention
+  latent on every TP rank (docs/kimi-k3.md §5.3: replicated unless decode context parallelism); attention
   data parallelism does not shrink it, it multiplies the replicas that hold different tokens;
 * KDA state per request = ``n_kda(stage) × (recurrent FP32 [H, d, d] + conv BF16 3 × [kc−1, H·d]) / tp`` (the conv
   state in the op contract's notation, ``[W-1, P]`` once each for q, k and v)

@@ -1,6 +1,6 @@
 """The built-in PyTorch executor: Kimi K3's text model, layer by layer, stateful, with taps.
 
-Numerical ground truth of k3bundle (spec/kimi-k3.md §3; docs/executor.md). One module per
+Numerical ground truth of k3bundle (docs/kimi-k3.md §3; docs/executor.md). One module per
 block: ``norms`` (N1), ``attnres`` (A1-A2), ``kda`` (K1-K7), ``mla`` (M1-M5), ``situ_glu``
 (S1-S3, D1), ``latent_moe`` (R1-R7), ``head`` (E0, F1); ``model`` runs the layer loop,
 ``weights`` reads one layer at a time, ``cache`` holds per-sequence state, ``taps`` records

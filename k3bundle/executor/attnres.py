@@ -1,4 +1,4 @@
-"""Block Attention Residuals: the residual stream of Kimi K3 (spec/kimi-k3.md §3.2, A1-A2).
+"""Block Attention Residuals: the residual stream of Kimi K3 (docs/kimi-k3.md §3.2, A1-A2).
 
 There is no ``x + sublayer(x)`` anywhere. Each layer mixes, over depth, a list of candidate
 hidden states: the token embedding, the sums of finished blocks and the running partial sum

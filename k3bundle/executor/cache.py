@@ -1,8 +1,8 @@
-"""Per-sequence state carried between executor calls (spec/kimi-k3.md §3.3 K1/K5, §3.4, §5.3).
+"""Per-sequence state carried between executor calls (docs/kimi-k3.md §3.3 K1/K5, §3.4, §5.3).
 
 - KDA layer: recurrent state S [H, dk, dv] (FP32; FP64 in the float64 policy), zero at the
   start of a sequence, read as S_tᵀ q (K5); conv state = the last (kernel - 1) = 3 *pre-conv*
-  inputs of q, k and v (K1), in the activation dtype (BF16 in serving, spec §5.3).
+  inputs of q, k and v (K1), in the activation dtype (BF16 in serving, docs/kimi-k3.md §5.3).
 - MLA layer: the latent cache, per token [ĉ_kv (kv_lora) ‖ k_pe (rope)] = 512 + 64 values in
   the activation dtype (M2/M3; the absorbed decode form reads only this).
 - AttnRes keeps no state across tokens: its blocks run over depth, within one token.
@@ -113,7 +113,7 @@ def new_cache(text: TextConfig, act_dtype, state_dtype, device, kda_heads: int |
 
 @dataclass(frozen=True)
 class CacheBytes:
-    """Bytes of state per request / per token, from the config alone (spec §5.3)."""
+    """Bytes of state per request / per token, from the config alone (docs/kimi-k3.md §5.3)."""
 
     kda_recurrent_per_layer: int
     kda_conv_per_layer: int
@@ -131,7 +131,7 @@ class CacheBytes:
 
 
 def cache_bytes(text: TextConfig, act_bytes: int = 2, state_bytes: int = 4) -> CacheBytes:
-    """Defaults: BF16 conv state and latent cache, FP32 recurrent state (vLLM, spec §5.3)."""
+    """Defaults: BF16 conv state and latent cache, FP32 recurrent state (vLLM, docs/kimi-k3.md §5.3)."""
     la = text.linear_attn_config
     return CacheBytes(
         kda_recurrent_per_layer=la.num_heads * la.head_dim * la.head_dim * state_bytes,

@@ -1,4 +1,4 @@
-"""Embedding and the output head (spec/kimi-k3.md §3.1 E0, §3.8 F1).
+"""Embedding and the output head (docs/kimi-k3.md §3.1 E0, §3.8 F1).
 
 (E0) h⁰ = embed_tokens[token]   (the weight source reads only the rows asked for)
 (F1) logits = W_lm · RMSNorm_{model.norm}(h_final);  logit_scale 1.0, no soft-cap, lm_head untied

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, the linear-attention mixer of 69 of the 93 layers (spec/kimi-k3.md §3.3).
+"""Kimi Delta Attention, the linear-attention mixer of 69 of the 93 layers (docs/kimi-k3.md §3.3).
 
 (K1) c̃_t = SiLU( Σ_{i=0..3} W_conv_c[:,0,i] ⊙ u_c,t−3+i ),  u_c = W_c x,  c ∈ {q, k, v}
 (K2) q_t = q̃_t / sqrt(Σq̃_t² + 1e-6) · d^(−1/2);  k_t = k̃_t / sqrt(Σk̃_t² + 1e-6);  v_t = ṽ_t
@@ -21,7 +21,7 @@ it against fla-core's naive recurrent and naive chunk functions and against ``re
 Precision: projections in the activation dtype; conv, L2 norm, gates and the delta rule in the
 state dtype (FP32; FP64 in the float64 policy); o is handed back in the activation dtype, as
 fla's kernels return the dtype of v. State layout S[h] = [dk, dv] (fla's layout; HF
-transposes it, spec §5.3).
+transposes it, docs/kimi-k3.md §5.3).
 
 Legend: T tokens, D model width, H heads, K key dim, V value dim, P = H·K channels,
 W conv state rows (kernel − 1), C chunk length.
@@ -265,7 +265,7 @@ def forward(x_TD: torch.Tensor, W, state: KDAState, text: TextConfig, decode: bo
     # K2-K5 and the gates run in the kernel, in the state dtype (FP32; FP64 under float64), as
     # fla's kernels do with use_qk_l2norm / use_gate / use_beta_sigmoid_in_kernel
     q_THK, k_THK, v_THV, z_THK = (t.view(T, H, -1) for t in (qt_TP, kt_TP, vt_TP, z_TP))
-    A_log_H = W["kda.A_log"][:H]  # A_log is stored zero-padded to 128 (spec §2.5)
+    A_log_H = W["kda.A_log"][:H]  # A_log is stored zero-padded to 128 (docs/kimi-k3.md §2.3)
     dt_HK = W["kda.dt_bias"].view(H, K)
     lower = text.linear_attn_config.gate_lower_bound
     S_HKV, saved, o_parts = state.recurrent_HKV, {}, []

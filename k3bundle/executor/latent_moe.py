@@ -1,4 +1,4 @@
-"""Stable LatentMoE, the FFN of layers 1..92 (spec/kimi-k3.md §3.7, R1-R7).
+"""Stable LatentMoE, the FFN of layers 1..92 (docs/kimi-k3.md §3.7, R1-R7).
 
 (R1) logits = W_router x in FP32 (router weight upcast);  s = σ(logits)
 (R2) I = top-k of (s + e_score_correction_bias)   (bias F32, selection only; torch.topk order)

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention without positional encoding (spec/kimi-k3.md §3.4, M1-M5).
+"""Gated Multi-head Latent Attention without positional encoding (docs/kimi-k3.md §3.4, M1-M5).
 
 (M1) c_q = RMSNorm_{q_a_layernorm}(W_qa x);  Q = W_qb c_q → [H, nope + rope] = [q_nope | q_pe]
 (M2) [c_kv | k_pe] = W_kva x;  ĉ_kv = RMSNorm_{kv_a_layernorm}(c_kv);  W_kvb ĉ_kv → [H, nope + v] = [k_nope | v]

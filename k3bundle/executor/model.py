@@ -1,4 +1,4 @@
-"""The Kimi K3 text model, layer by layer (spec/kimi-k3.md §3.1-§3.8).
+"""The Kimi K3 text model, layer by layer (docs/kimi-k3.md §3.1-§3.8).
 
     ids ─ E0 embed ─ h⁰ ─┬─ for ℓ in 0..L−1 ───────────────────────────────────────────┐
                          │  x = AttnRes_attn(B ++ [S])   (A2.1; layer 0: x = S)          │

@@ -1,4 +1,4 @@
-"""RMSNorm and the compute-dtype rule shared by every block (spec/kimi-k3.md §3.0, N1).
+"""RMSNorm and the compute-dtype rule shared by every block (docs/kimi-k3.md §3.0, N1).
 
 (N1) RMSNorm_w(x) = w ⊙ round_to_input_dtype( x · rsqrt(mean(x²) + ε) ), statistics in FP32.
 

@@ -1,5 +1,5 @@
 """SiTU-GLU, the activation of every FFN: dense layer 0, shared and routed experts
-(spec/kimi-k3.md §3.5 S1-S3, §3.6 D1).
+(docs/kimi-k3.md §3.5 S1-S3, §3.6 D1).
 
 (S1) situ(g) = β · tanh(g/β) · σ(g),  β = activation_situ_beta = 4   (a SiLU soft-capped at 4)
 (S2) cap(u)  = L · tanh(u/L),          L = activation_situ_linear_beta = 25

@@ -33,7 +33,7 @@ class TapSpec:
     judged: str  # "tensor" (distance metrics), "logits" (distribution), "router" (as sets), "evidence"
     in_dump: bool  # a device dump must carry it (docs/dump-format.md)
     shape: str = ""  # in a golden file or a dump (docs/dump-format.md "Taps" has the legend)
-    value: str = ""  # what it is, with the equation numbers of docs/executor.md's spec sections
+    value: str = ""  # what it is, with its equation numbers (docs/kimi-k3.md)
 
     def name(self, layer: int | None = None) -> str:
         return self.kind if self.where == "model" else f"layers.{layer}.{self.kind}"

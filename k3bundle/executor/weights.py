@@ -48,7 +48,7 @@ from k3bundle.schema import Format, Schema
 from k3bundle.schema.roles import ROLE_BY_NAME, Scope
 from k3bundle.checkpoint import SourceCheckpoint
 
-EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (spec §2.8)
+EXPERT_ROLES = ("moe.expert.w1", "moe.expert.w2", "moe.expert.w3")  # gate, down, up (docs/kimi-k3.md §2.3)
 MXFP4_GROUPED = "mxfp4_weight_gemm_grouped"  # the release stores routed experts MXFP4
 
 
@@ -58,7 +58,7 @@ class DtypePolicy:
     weight: torch.dtype  # BF16-stored tensors and dequantized MXFP4 experts
     f32: torch.dtype  # F32-stored tensors (A_log, dt_bias, conv kernels, o_norm, router bias)
     act: torch.dtype  # activations between ops, conv state, MLA latent cache
-    state: torch.dtype  # KDA recurrent state (FP32 in every serving engine, spec §5.3)
+    state: torch.dtype  # KDA recurrent state (FP32 in every serving engine, docs/kimi-k3.md §5.3)
 
 
 POLICIES = {

@@ -1,6 +1,6 @@
 """Golden cases: data files (``golden/cases/*.yaml``) turned into token ids.
 
-A case is a conversation (rendered with the XTML renderer, spec §4.2) or a plain prompt, plus
+A case is a conversation (rendered with the XTML renderer, docs/chat.md) or a plain prompt, plus
 how many greedy steps to continue and which positions to tap. Case files are data; this
 module validates them (unknown or missing keys are errors naming the file and key) and builds
 their ids with a checkpoint's tokenizer. Long-context cases are built from a deterministic

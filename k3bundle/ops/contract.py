@@ -37,7 +37,7 @@ class OpContract:
     args: tuple[Arg, ...]  # positional, in this order
     keywords: tuple[Arg, ...]  # keyword-only
     returns: tuple[Arg, ...]
-    does: str  # the math, with the equation numbers of docs/executor.md's spec sections
+    does: str  # the math, with its equation numbers (docs/kimi-k3.md)
 
     def signature(self) -> str:
         kw = [k.name if k.default is None else f"{k.name}={k.default}" for k in self.keywords]

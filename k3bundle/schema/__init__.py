@@ -31,7 +31,7 @@ PART_SUFFIX = {True: {p: s for p, s, _ in MXFP4_PARTS}, False: {"weight": ""}}
 __all__ = ["Schema", "TensorSpec", "Totals", "Role", "Scope", "Format", "TP", "Section", "ROLES",
            "ROLE_BY_NAME", "DTYPE_BYTES", "RELEASE_PREFIX"]
 
-RELEASE_PREFIX = "language_model."  # multimodal release; "" for a text-only export (spec §2.2)
+RELEASE_PREFIX = "language_model."  # multimodal release; "" for a text-only export (docs/kimi-k3.md §2.2)
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
 
 
@@ -106,7 +106,7 @@ class Schema:
         self.dims = dimensions(self.text, self.vision)
         self.n_layers = self.text.num_hidden_layers
 
-    # ---- layer pattern (spec §1.2) ----
+    # ---- layer pattern (docs/kimi-k3.md §1.2) ----
     def mixer(self, layer: int) -> str:
         return "mla" if self.text.is_mla(layer) else "kda"
 
@@ -201,7 +201,7 @@ class Schema:
         for section in self._sections():
             yield from self.global_tensors(section)
 
-    # ---- release shard layout (spec §2.1) ----
+    # ---- release shard layout (docs/kimi-k3.md §2.1) ----
     @property
     def num_shards(self) -> int:
         return self.n_layers + len(self._sections())
@@ -213,7 +213,7 @@ class Schema:
         return self.n_layers + 1 + self._sections().index(spec.role.section)
 
     def shard_name(self, index: int) -> str:
-        # 5-digit index, 6-digit total, as the release writes it (spec §2.1, §6.1)
+        # 5-digit index, 6-digit total, as the release writes it (docs/kimi-k3.md §2.1, §6.1)
         return f"model-{index:05d}-of-{self.num_shards:06d}.safetensors"
 
     def shard_tensors(self, index: int) -> Iterator[TensorSpec]:

@@ -1,4 +1,4 @@
-"""The Kimi K3 tensor schema as data: one row per tensor role (spec/kimi-k3.md §2).
+"""The Kimi K3 tensor schema as data: one row per tensor role (docs/kimi-k3.md §2).
 
 Each row gives the role's checkpoint name template, its logical shape as dimension names
 (resolved from the config by ``dimensions``), its storage format and its tensor-parallel
@@ -6,11 +6,11 @@ rule. Code in ``k3bundle.schema`` only expands these rows; no other module spell
 tensor name.
 
 Templates: ``{lm}`` is the text prefix (``language_model.`` in the multimodal release,
-empty in a text-only export, spec §2.2), ``{bid}`` a block index, ``{eid}`` an expert id.
+empty in a text-only export, docs/kimi-k3.md §2.2), ``{bid}`` a block index, ``{eid}`` an expert id.
 An MXFP4 role names the pair stem; the stored tensors are ``<stem>.weight_packed`` and
-``<stem>.weight_scale`` (spec §2.10).
+``<stem>.weight_scale`` (docs/formats.md).
 
-TP rules (spec §5.1): ``column`` splits dim 0 into equal parts of ``unit`` (e.g. heads),
+TP rules (docs/kimi-k3.md §5.1): ``column`` splits dim 0 into equal parts of ``unit`` (e.g. heads),
 ``row`` splits dim 1, ``vocab`` splits the rows of the vocabulary, ``replicate`` copies.
 Per-expert roles are placed whole by expert parallelism; their rule says how a TP-only
 layout slices inside one expert.
@@ -82,20 +82,20 @@ MOE = LAYER + "block_sparse_moe."
 VIT_BLOCK = "vision_tower.encoder.blocks.{bid}."
 
 ROLES: tuple[Role, ...] = (
-    # --- global text tensors (spec §2.3) ---
+    # --- global text tensors (docs/kimi-k3.md §2.3) ---
     _role("embed", "{lm}model.embed_tokens.weight", "V D", "bf16", Scope.GLOBAL, tp="vocab", unit="V"),
     _role("lm_head", "{lm}lm_head.weight", "V D", "bf16", Scope.GLOBAL, tp="vocab", unit="V"),  # untied
     _role("final_norm", "{lm}model.norm.weight", "D", "bf16", Scope.GLOBAL),
     _role("out_res.norm", "{lm}model.output_attn_res_norm.weight", "D", "bf16", Scope.GLOBAL),
     _role("out_res.proj", "{lm}model.output_attn_res_proj.weight", "1 D", "bf16", Scope.GLOBAL),
-    # --- every decoder layer (spec §2.4); layer 0's attn_res pair is stored but unused ---
+    # --- every decoder layer (docs/kimi-k3.md §2.3); layer 0's attn_res pair is stored but unused ---
     _role("input_norm", LAYER + "input_layernorm.weight", "D", "bf16", Scope.LAYER),
     _role("post_attn_norm", LAYER + "post_attention_layernorm.weight", "D", "bf16", Scope.LAYER),
     _role("attn_res.norm", LAYER + "self_attention_res_norm.weight", "D", "bf16", Scope.LAYER),
     _role("attn_res.proj", LAYER + "self_attention_res_proj.weight", "1 D", "bf16", Scope.LAYER),
     _role("ffn_res.norm", LAYER + "mlp_res_norm.weight", "D", "bf16", Scope.LAYER),
     _role("ffn_res.proj", LAYER + "mlp_res_proj.weight", "1 D", "bf16", Scope.LAYER),
-    # --- KDA mixer (spec §2.5); g_proj/o_proj share names with MLA, resolved by layer kind ---
+    # --- KDA mixer (docs/kimi-k3.md §2.3); g_proj/o_proj share names with MLA, resolved by layer kind ---
     _role("kda.q_proj", ATTN + "q_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
     _role("kda.k_proj", ATTN + "k_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
     _role("kda.v_proj", ATTN + "v_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
@@ -110,7 +110,7 @@ ROLES: tuple[Role, ...] = (
     _role("kda.g_proj", ATTN + "g_proj.weight", "P D", "bf16", Scope.KDA, tp="column", unit="H"),
     _role("kda.o_norm", ATTN + "o_norm.weight", "d", "f32", Scope.KDA),
     _role("kda.o_proj", ATTN + "o_proj.weight", "D P", "bf16", Scope.KDA, tp="row", unit="H"),
-    # --- Gated MLA mixer (spec §2.6) ---
+    # --- Gated MLA mixer (docs/kimi-k3.md §2.3) ---
     _role("mla.q_a_proj", ATTN + "q_a_proj.weight", "Rq D", "bf16", Scope.MLA),
     _role("mla.q_a_norm", ATTN + "q_a_layernorm.weight", "Rq", "bf16", Scope.MLA),
     _role("mla.q_b_proj", ATTN + "q_b_proj.weight", "Hq_qk Rq", "bf16", Scope.MLA, tp="column", unit="Hm"),
@@ -119,11 +119,11 @@ ROLES: tuple[Role, ...] = (
     _role("mla.kv_b_proj", ATTN + "kv_b_proj.weight", "Hkv Rkv", "bf16", Scope.MLA, tp="column", unit="Hm"),
     _role("mla.g_proj", ATTN + "g_proj.weight", "Hv D", "bf16", Scope.MLA, tp="column", unit="Hm"),
     _role("mla.o_proj", ATTN + "o_proj.weight", "D Hv", "bf16", Scope.MLA, tp="row", unit="Hm"),
-    # --- dense FFN, layer 0 (spec §2.7) ---
+    # --- dense FFN, layer 0 (docs/kimi-k3.md §2.3) ---
     _role("dense.gate_proj", LAYER + "mlp.gate_proj.weight", "I D", "bf16", Scope.DENSE, tp="column", unit="I"),
     _role("dense.up_proj", LAYER + "mlp.up_proj.weight", "I D", "bf16", Scope.DENSE, tp="column", unit="I"),
     _role("dense.down_proj", LAYER + "mlp.down_proj.weight", "D I", "bf16", Scope.DENSE, tp="row", unit="I"),
-    # --- Stable LatentMoE (spec §2.8) ---
+    # --- Stable LatentMoE (docs/kimi-k3.md §2.3) ---
     _role("moe.router", MOE + "gate.weight", "E D", "bf16", Scope.MOE),
     _role("moe.router_bias", MOE + "gate.e_score_correction_bias", "E", "f32", Scope.MOE),
     _role("moe.latent_down", MOE + "routed_expert_down_proj.weight", "Lr D", "bf16", Scope.MOE),
@@ -135,11 +135,11 @@ ROLES: tuple[Role, ...] = (
           tp="column", unit="S"),
     _role("moe.shared.down_proj", MOE + "shared_experts.down_proj.weight", "D S", "bf16", Scope.MOE,
           tp="row", unit="S"),
-    # routed experts: w1 = gate, w3 = up, w2 = down (spec §2.8); EP places whole experts
+    # routed experts: w1 = gate, w3 = up, w2 = down (docs/kimi-k3.md §2.3); EP places whole experts
     _role("moe.expert.w1", MOE + "experts.{eid}.w1", "Ie Lr", "mxfp4", Scope.EXPERT, tp="column", unit="Ie"),
     _role("moe.expert.w2", MOE + "experts.{eid}.w2", "Lr Ie", "mxfp4", Scope.EXPERT, tp="row", unit="Ie"),
     _role("moe.expert.w3", MOE + "experts.{eid}.w3", "Ie Lr", "mxfp4", Scope.EXPERT, tp="column", unit="Ie"),
-    # --- MoonViT-V2 vision tower (spec §2.9): replicated ---
+    # --- MoonViT-V2 vision tower (docs/kimi-k3.md §2.3): replicated ---
     _role("vit.patch_embed", "vision_tower.patch_embed.proj.weight", "Dv 3 Pt Pt", "bf16", Scope.GLOBAL,
           section=Section.VISION),
     _role("vit.pos_emb", "vision_tower.patch_embed.pos_emb.weight", "Ph Pw Dv", "bf16", Scope.GLOBAL,
@@ -152,7 +152,7 @@ ROLES: tuple[Role, ...] = (
     _role("vit.fc1", VIT_BLOCK + "mlp.fc1.weight", "Dv Iv", "bf16", Scope.VIT_BLOCK, section=Section.VISION),
     _role("vit.final_norm", "vision_tower.encoder.final_layernorm.weight", "Dv", "bf16", Scope.GLOBAL,
           section=Section.VISION),
-    # --- patchmergerv2 projector (spec §2.9) ---
+    # --- patchmergerv2 projector (docs/kimi-k3.md §2.3) ---
     _role("proj.fc1", "mm_projector.proj.0.weight", "Dm Dm", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
     _role("proj.fc2", "mm_projector.proj.2.weight", "D Dm", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
     _role("proj.post_norm", "mm_projector.post_norm.weight", "D", "bf16", Scope.GLOBAL, section=Section.PROJECTOR),
@@ -167,7 +167,7 @@ STORED_DTYPE = {Format.BF16: "BF16", Format.F32: "F32"}
 
 
 def dimensions(text: TextConfig, vision: VisionConfig | None) -> dict[str, int]:
-    """Resolve the dimension names used in ``ROLES`` from a config (spec §1)."""
+    """Resolve the dimension names used in ``ROLES`` from a config (docs/kimi-k3.md §1)."""
     la = text.linear_attn_config
     h_mla = text.num_attention_heads
     dims = {

@@ -89,7 +89,7 @@ def source_byte_cols(part: str, cols: tuple[int, int], dtype: str) -> tuple[int,
     """Byte columns of a stored *source* part holding logical columns ``cols``.
 
     The checkpoint stores BF16/F32 tensors as they are and MXFP4 as a pair: ``packed`` holds
-    two E2M1 codes per byte, ``scale`` one E8M0 byte per 32-element block (spec §2.10).
+    two E2M1 codes per byte, ``scale`` one E8M0 byte per 32-element block (docs/formats.md).
     """
     c, d = cols
     if part == "packed":

@@ -1,4 +1,4 @@
-"""Write a synthetic checkpoint laid out exactly like the Kimi K3 release (spec §2.1).
+"""Write a synthetic checkpoint laid out exactly like the Kimi K3 release (docs/kimi-k3.md §2.1).
 
 Files: ``config.json`` (release fields and nesting), ``generation_config.json``,
 ``preprocessor_config.json``, ``tiktoken.model`` + ``tokenizer_config.json``, the
@@ -29,7 +29,7 @@ from k3bundle.synth.tokenizer import write_tokenizer
 from k3bundle.synth.trained import load_trained
 from k3bundle.synth.weights import make_tensors
 
-# The release ships Python sources (spec §2.1); they are copied as data, never imported.
+# The release ships Python sources (docs/kimi-k3.md §2.1); they are copied as data, never imported.
 # The synthetic stand-ins fail loudly if anything ever executes them.
 CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py",
               "encoding_k3.py", "tokenization_kimi.py")
@@ -55,10 +55,10 @@ def _side_files(cfg: dict) -> dict[str, str]:
     vision = cfg.get("vision_config") or {}
     return {
         CONFIG: _json_text(cfg),
-        "generation_config.json": _json_text({  # release defaults (spec §2.1)
+        "generation_config.json": _json_text({  # release defaults (docs/kimi-k3.md §2.1)
             "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
             "temperature": 1.0, "top_p": 1.0}),
-        "preprocessor_config.json": _json_text({  # MoonViT-V2 preprocessing (spec §3.9, V0)
+        "preprocessor_config.json": _json_text({  # MoonViT-V2 preprocessing (docs/kimi-k3.md §3.9, V0)
             "image_processor_type": "KimiK3ImageProcessor",
             "patch_size": vision.get("patch_size", 14),
             "merge_kernel_size": vision.get("merge_kernel_size", [2, 2]),

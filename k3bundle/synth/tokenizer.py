@@ -36,7 +36,7 @@ _PAT = regex.compile(ts.PAT_STR, regex.V1)
 _MODEL_MAX_LENGTH = 1000000000000000019884624838656
 
 # ``tokenization_kimi.TikTokenTokenizer``'s default ``additional_special_tokens`` (NEMO-TOK):
-# K2-era names it still registers (spec §4.1).
+# K2-era names it still registers (docs/chat.md).
 _ADDITIONAL_SPECIAL_TOKENS = (
     "<|im_end|>",
     "<|im_user|>",
@@ -161,7 +161,7 @@ def tiktoken_model_bytes(tokens: list[bytes]) -> bytes:
 def tokenizer_config(vocab_size: int) -> dict:
     """The release-style ``tokenizer_config.json`` for a vocabulary of ``vocab_size``.
 
-    Fields follow the release (spec §4.1, NEMO-TOK): ``added_tokens_decoder`` holds the 16
+    Fields follow the release (docs/chat.md, NEMO-TOK): ``added_tokens_decoder`` holds the 16
     named specials (reserved slots are implicit), bos/eos/pad/unk are ``[BOS]``/``[EOS]``/
     ``[PAD]``/``[UNK]``, ``auto_map`` points at ``tokenization_kimi.TikTokenTokenizer``, and
     there is no ``chat_template`` (K3 renders chats in Python, ``encoding_k3.py``).

@@ -8,7 +8,7 @@ operations and rounded once to the stored dtype (F32, BF16), so ``synth --preset
 writes the same bytes on every machine. Routed experts are rounded once to float32 and stored
 as real MXFP4 encodings (OCP FLOOR rule, the OCP-recommended conversion, defined from float32).
 
-Scales (spec §3 equations keep every sub-layer input RMS-normalised, so matching each
+Scales (docs/kimi-k3.md §3 equations keep every sub-layer input RMS-normalised, so matching each
 projection's fan-in keeps outputs near unit RMS):
 - projections [out, in...]: N(0, 1/fan_in), fan_in = product of the non-output dims;
 - RMSNorm gains: 1 + 0.1 N(0, 1), so a gain applied twice or not at all is visible;
