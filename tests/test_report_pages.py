@@ -60,7 +60,7 @@ def _case(name: str, kind: str, text, tol, fault: bool, positions: list[int] | N
                    kld_by_position=[1e-4 * (1 + (p % 7)) * (40 if fault else 1) for p in pos], positions=pos)
     bad = [r for r in res if not r.passed]
     if bad:
-        from k3bundle.validate.compare import first_failure
+        from k3bundle.validate.findings import first_failure
         c.status, c.first_failure = "fail", first_failure([r for r in bad if r.mode != "inherited"])
     return c
 

@@ -195,6 +195,45 @@ def test_transposed_tp_shard_is_located(work, tmp_path):
     assert _first(data) == (1, "layers.1.mixer_out")
 
 
+def _listed_failures(reports: Path, case: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(mode, tap) of each failing check of ``case`` in the order signoff.md lists them, and in
+    the order of signoff.html's "Failing checks" table (one row per metric there)."""
+    import re
+
+    md = (reports / "signoff.md").read_text().split(f"\n## {case}\n", 1)[1].split("\n## ", 1)[0]
+    in_md = [tuple(p.strip() for p in line.split("|")[2:4]) for line in md.splitlines()
+             if line.strip().startswith("FAILED |")]
+    html = (reports / "signoff.html").read_text().split(f"id='case-{case}'", 1)[1].split("<h2", 1)[0]
+    rows = html.split("<table class='checks failing'>", 1)[1].split("</table>", 1)[0]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr[^>]*>(.*?)</tr>", rows)[1:]]
+    in_html = [(c[1], re.sub(r"</?code>", "", c[3])) for c in cells]  # a row per metric of a check
+    return in_md, [x for i, x in enumerate(in_html) if i == 0 or x != in_html[i - 1]]
+
+
+TEACHER_FORCED = {"added", "exact", "exact_gpu", "emulation", "router"}  # docs/validation.md "first failure"
+
+
+def test_reports_lead_with_the_teacher_forced_failure_at_the_faulty_layer(work, tmp_path):
+    """One faulty layer makes every later free-running check fail too; the terminal line, the
+    per-case list of signoff.md and the page's failing checks all begin with the teacher-forced
+    check at the faulty layer, before any free-running one."""
+    b = _copy(work["tiny-tp2"], tmp_path)
+    _patch(b, _entry(b, 0, "layers.1.self_attn.q_proj.weight"), lambda t: t.t())  # one transposed TP shard
+    r = run_cli("validate", str(b), env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = next(l for l in r.stdout.splitlines() if l.strip().startswith("greedy"))
+    assert "first failure: layer 1, layers.1.mixer_out (added)" in line, line
+    in_md, in_html = _listed_failures(b / "reports", "greedy")
+    for listed in (in_md, in_html):
+        assert listed[0] == ("added", "layers.1.mixer_out"), listed[:3]
+        modes = [m for m, _ in listed]
+        assert "inherited" in modes  # the fault carries on free-running: those failures come after
+        first_free = next(i for i, m in enumerate(modes) if m not in TEACHER_FORCED)
+        assert all(m not in TEACHER_FORCED for m in modes[first_free:]), modes
+    assert in_md[:40] == in_html[:40]
+    assert "| layer 1, `layers.1.mixer_out` (added) |" in (b / "reports" / "signoff.md").read_text()
+
+
 def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None,
                        dtype: torch.dtype | None = None) -> Path:
     inter = read_npz(golden_dir / "golden_intermediates.npz")

@@ -2,9 +2,8 @@
 
 Every comparison returns a ``TapResult`` that carries its evidence: the metric values, the
 limits applied, whether it passed, and for a failure the minimum limit that would have passed
-(style-anchors §5). ``first_failure`` orders results in the tap grammar's forward order (layer,
-then the tap's place in the layer) so the first failing layer and tap are named. One rule
-judges every metric: ``golden.tolerances.METRICS`` says whether its limit is a max or a min.
+(style-anchors §5); ``findings`` orders the failures and names the first. One rule judges every
+metric: ``golden.tolerances.METRICS`` says whether its limit is a max or a min.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3bundle.executor.taps import forward_key, layer_of
+from k3bundle.executor.taps import layer_of
 from k3bundle.golden.tolerances import METRICS, Tolerances
 from k3bundle import metrics as M
 
@@ -186,8 +185,3 @@ def _greedy(ref_tokens, tokens, ref_step_logits: torch.Tensor, tol: Tolerances,
     margin = margin_at(first) if margin_at is not None else tol.greedy.get("near_tie_margin", 0.0)
     near = gap < margin
     return GreedyResult(first, len(ref_tokens), first, near, near, gap, margin)
-
-
-def first_failure(results: list[TapResult]) -> TapResult | None:
-    failing = [r for r in results if not r.passed]
-    return min(failing, key=lambda r: forward_key(r.tap)) if failing else None

@@ -18,6 +18,7 @@ from k3bundle.file_names import CONFIG
 from k3bundle.golden.tolerances import METRICS
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
+from k3bundle.validate.findings import failures, place
 from k3bundle.validate.margin import NEAR, margins, show, show_use
 
 MODES = ("added", "emulation", "inherited")
@@ -54,6 +55,10 @@ def tie_text(g) -> str:
     """Why a divergence is or is not a near tie: the golden top-1/top-2 gap against the margin."""
     why = "" if g.gap is None else f": gap {g.gap:.3g} {'<' if g.near_tie else '≥'} margin {g.margin:.3g}"
     return f"(near tie{why})" if g.near_tie else f"(NOT a near tie{why})"
+
+
+def _code(tap: str) -> str:
+    return f"<code>{esc(tap)}</code>"
 
 
 def _anchor(name: str) -> str:
@@ -208,7 +213,7 @@ def _summary(rep) -> str:
             cls.append("")
             continue
         ff = c.first_failure
-        where = "–" if ff is None else f"layer {ff.layer}: <code>{esc(ff.tap)}</code> ({esc(ff.mode)})"
+        where = "–" if ff is None else f"{place(ff.tap, _code)} ({esc(ff.mode)})"
         if ff is None and c.status == "fail":
             where = esc(c.reason)
         failed = sum(not r.passed for r in c.results)
@@ -249,9 +254,9 @@ def _case(rep, c, n: int, types, tokens: int | None) -> str:
         return head + f"<p class='muted'>Not run: {esc(c.reason)}</p>"
     parts = [head]
     ff = c.first_failure
-    bad = [r for r in c.results if not r.passed]
+    bad = failures(c.results)  # the ones that locate the fault first
     if c.status == "fail":
-        what = (f"First failure: <b>layer {ff.layer}</b>, <code>{esc(ff.tap)}</code> ({esc(ff.mode)}) — "
+        what = (f"First failure: {place(ff.tap, _code)} ({esc(ff.mode)}) — "
                 + ", ".join(f"{esc(k)} {sci(v)} vs limit {sci(ff.limits.get(k))}" for k, v in ff.values.items()
                             if k in ff.limits)) if ff is not None else esc(c.reason)
         parts.append(f"<div class='callout'>{what}. {len(bad)} of {len(c.results)} checks fail.</div>")

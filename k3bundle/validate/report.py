@@ -1,7 +1,8 @@
 """The sign-off report: ``reports/signoff.json`` (machines), ``.md`` (people), ``.html`` (plots).
 
 Every failure line names the case, mode, tap, metric values and limits, Polygraphy-style; each
-case names its first failing layer and tap. The HTML page is ``validate.html``.
+case names its first failing layer and tap, and lists its failures teacher-forced first
+(``findings``). The HTML page is ``html.to_html``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAMES, VALIDATE_RUN
 from k3bundle.io.files import remove_temps_of, temp_path, write_atomic
 from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.validate.errors import ValidateError
+from k3bundle.validate.findings import failures, place
 from k3bundle.validate.html import tie_text, to_html
 from k3bundle.validate.margin import NEAR, margins, show, show_use
 
@@ -76,7 +78,7 @@ def to_markdown(rep) -> str:
             lines.append(f"| {c.name} | {c.kind} | not run | – | {c.reason} | – | – | – |")
             continue
         ff = c.first_failure
-        where = "–" if ff is None else f"layer {ff.layer}: `{ff.tap}` ({ff.mode})"
+        where = "–" if ff is None else f"{place(ff.tap, _md_code)} ({ff.mode})"
         g = c.greedy
         greedy = "–" if g is None else (f"{g.matched}/{g.total} equal" + ("" if g.first_divergence is None
                                         else f", first divergence at step {g.first_divergence}"
@@ -92,7 +94,7 @@ def to_markdown(rep) -> str:
     if len(found) > 40:
         lines.append(f"- … and {len(found) - 40} more (signoff.json has all)")
     for c in rep.cases:
-        bad = [r for r in c.results if not r.passed]
+        bad = failures(c.results)  # the ones that locate the fault first
         near = margins(c, rep.tolerances) if c.status != "not run" else []
         if bad or c.layer_checks or near:
             lines += ["", f"## {c.name}", ""]
@@ -106,6 +108,10 @@ def to_markdown(rep) -> str:
                 if len(near) > 20:
                     lines.append(f"… and {len(near) - 20} more (signoff.json has all)")
     return "\n".join(lines) + "\n"
+
+
+def _md_code(text: str) -> str:
+    return f"`{text}`"
 
 
 def margin_table(rows) -> list[str]:

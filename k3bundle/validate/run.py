@@ -28,9 +28,10 @@ from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
 from k3bundle.golden.tolerances import Tolerances, load_tolerances
 from k3bundle.executor.taps import forward_key
-from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, first_failure, nonfinite_text
+from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, nonfinite_text
 from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
+from k3bundle.validate.findings import first_failure
 from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
 from k3bundle.metrics import kld
 
@@ -184,12 +185,9 @@ def _finish(rep: CaseReport, tol: Tolerances) -> CaseReport:
     drifted = _drift_failures(rep)
     greedy_ok = rep.greedy is None or rep.greedy.passed
     ok = all(r.passed for r in rep.results) and not drifted and greedy_ok
-    local = [r for r in rep.results if r.mode in ("added", "exact", "exact_gpu", "emulation", "router")]
     # a fault in prompt processing shows first in a teacher-forced check; one in the decode
     # path (a serving cache) in the first free-running tap or state it reaches, in layer order
-    # (a TapResult is falsy when it failed: test for None, not truth)
-    ff = first_failure(local)
-    rep.first_failure = ff if ff is not None else first_failure(rep.results + drifted)
+    rep.first_failure = first_failure(rep.results + drifted)
     rep.status = "pass" if ok else "fail"
     if not ok and rep.first_failure is None:
         g = rep.greedy
