@@ -266,6 +266,29 @@ def test_dumps_clean_pass_and_perturbed_layer_is_located(work, tmp_path):
     assert greedy["first_failure"]["mode"] == "emulation"
 
 
+def test_a_failing_tap_of_no_layer_reads_as_the_model_output_and_no_report_says_none(work, tmp_path):
+    """Step logits belong to no layer: a failure there is named "model output, step_logits",
+    never "layer None", in the terminal, signoff.md and the page."""
+    import re
+
+    from safetensors.torch import load_file
+
+    d = _dumps_from_golden(work["golden"], tmp_path / "d")
+    taps = load_file(str(d / "greedy.safetensors"))
+    taps["step_logits"] = (taps["step_logits"] * 4).contiguous()  # same argmax, far sharper distributions
+    save_file(taps, str(d / "greedy.safetensors"))
+    r = run_cli("validate", str(work["tiny-tp2"]), "--dumps", str(d), "--out", str(tmp_path / "r"),
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    line = next(l for l in r.stdout.splitlines() if l.strip().startswith("greedy"))
+    assert line.endswith("first failure: model output, step_logits (distribution)"), line
+    md, html = ((tmp_path / "r" / f).read_text() for f in ("signoff.md", "signoff.html"))
+    assert "| model output, `step_logits` (distribution) |" in md
+    assert "model output, <code>step_logits</code> (distribution)" in html
+    for text in (r.stdout, r.stderr, md, html):
+        assert not re.search(r"\bNone\b", text), re.search(r".{0,80}\bNone\b.{0,80}", text).group(0)
+
+
 def test_fast_form_goldens_pass_against_readable_form_goldens(work, tmp_path):
     """The executor's two forms (docs/executor.md "Forms"): goldens made with the batched forms,
     submitted as a device's dumps, pass against goldens made with the equations as written, and
