@@ -59,3 +59,17 @@ def test_goldens_carry_the_noise_of_every_free_running_check(tiny_trained_ckpt, 
         assert 1 - 1e-4 < noise[noise_key("cosine", ADDED + tap)] < 1, tap
     assert generate_goldens(tiny_trained_ckpt, out=tmp_path / "h", cases_dir=cases, noise=False) and \
         not any("/bf16_noise." in k for k in read_npz(tmp_path / "h" / "golden_intermediates.npz"))
+
+
+def test_each_widened_limit_says_what_it_came_from():
+    from k3bundle.golden.noise import basis_text, widen_with_basis
+
+    golden = {noise_key("nmse", ADDED + "t"): np.asarray(7.3e-4), noise_key("cosine", ADDED + "t"): np.asarray(0.9999)}
+    limits, basis = widen_with_basis({"nmse": 5e-4, "cosine": 0.99975, "max_abs": 1.0}, golden, ADDED + "t", 2.5)
+    assert limits == {"nmse": pytest.approx(1.825e-3), "cosine": 0.99975, "max_abs": 1.0}  # 2.5 x 7.3e-4; 2.5e-4 deficit
+    assert basis == {"nmse": {"fixed": 5e-4, "noise": pytest.approx(7.3e-4), "factor": 2.5},
+                     "cosine": {"fixed": 0.99975, "noise": pytest.approx(0.9999), "factor": 2.5}}
+    assert basis_text("nmse", basis) == "2.5 × noise 7.30e-04"
+    assert basis_text("cosine", basis) == "fixed (2.5 × noise deficit 1.00e-04 is tighter)"
+    assert basis_text("max_abs", basis) == "fixed"  # no noise recorded for it
+    assert widen_with_basis({"nmse": 5e-4}, golden, ADDED + "t", 0.0) == ({"nmse": 5e-4}, {})

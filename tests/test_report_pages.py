@@ -46,8 +46,8 @@ def _case(name: str, kind: str, text, tol, fault: bool, positions: list[int] | N
             lim = tol.limits("added", t)
             res.append(TapResult(name, t, "added", {"nmse": v, "cosine": 1 - v}, lim, v <= lim["nmse"],
                                  {} if v <= lim["nmse"] else {"nmse": v}))
-            vi = 4e-4 * (1 + l / 10) * (30 if fault and l >= FAULT_LAYER else 1)
-            limi = tol.limits("inherited", t)
+            limi = tol.limits("inherited", t)  # a clean run carries 2-20% of the limit, a faulted one 30x that
+            vi = 0.02 * limi["nmse"] * (1 + l / 10) * (30 if fault and l >= FAULT_LAYER else 1)
             res.append(TapResult(name, t, "inherited", {"nmse": vi, "cosine": 1 - vi}, limi, vi <= limi["nmse"],
                                  {} if vi <= limi["nmse"] else {"nmse": vi}))
         if text.is_moe(l):

@@ -94,6 +94,33 @@ def test_clean_bundle_passes(work, name, ranks):
     assert data["integrity"].startswith(f"level sample: of {len(manifest['files'])} files")
     assert f"{len(manifest['files'])} re-hashed" in data["integrity"] and weights > 0
     assert not data["integrity_problems"]
+    _limits_follow_the_formula(data, work["golden"])
+
+
+def _limits_follow_the_formula(data: dict, goldens: Path) -> None:
+    """Every limit a sign-off reports as derived from noise is the docs' formula recomputed
+    here: the looser of the fixed limit and factor × the reference's BF16 noise, that noise read
+    straight from the goldens file and the factor from the tolerance file's text."""
+    import yaml
+
+    from k3bundle.golden.store import read_npz
+
+    gold = read_npz(goldens / "golden_intermediates.npz")
+    noise_cfg = yaml.safe_load((REPO / "tolerances" / "bf16.yaml").read_text())["noise"]
+    seen = set()
+    for case in data["cases"]:
+        for res in case.get("results", []):
+            for metric, b in (res["limit_basis"] or {}).items():
+                added = res["mode"] == "added"
+                stored = gold[f"{case['name']}/bf16_noise.{metric}.{'added.' if added else ''}{res['tap']}"]
+                assert b["noise"] == pytest.approx(float(stored.reshape(-1)[0]), rel=1e-12)
+                assert b["factor"] == noise_cfg["added_factor" if added else "factor"]
+                lower = metric in ("cosine", "top1")
+                want = 1 - max(1 - b["fixed"], b["factor"] * (1 - b["noise"])) if lower \
+                    else max(b["fixed"], b["factor"] * b["noise"])
+                assert res["limits"][metric] == pytest.approx(want, rel=1e-12), (res["tap"], metric)
+                seen.add(res["mode"])
+    assert {"added", "inherited", "distribution"} <= seen, seen
 
 
 def test_worker_results_from_a_separate_torchrun_are_judged(work, tmp_path):

@@ -119,9 +119,17 @@ def added_noise_metrics(golden: Mapping[str, np.ndarray], outputs: Mapping[str, 
 
 def widen(limits: dict[str, float], golden: Mapping, tap: str, factor: float) -> dict[str, float]:
     """``limits`` with each widened to ``factor`` × the reference's BF16 noise at ``tap``."""
+    return widen_with_basis(limits, golden, tap, factor)[0]
+
+
+def widen_with_basis(limits: dict[str, float], golden: Mapping, tap: str,
+                     factor: float) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """``widen``'s limits, and per metric what they were derived from where the goldens carry
+    noise for it: ``{"fixed": the tolerance file's limit, "noise": the reference's own BF16
+    value, "factor": factor}`` (the limit is the looser of fixed and factor × noise)."""
     if factor <= 0:
-        return limits
-    out = dict(limits)
+        return limits, {}
+    out, basis = dict(limits), {}
     for metric, limit in limits.items():
         v = golden.get(noise_key(metric, tap))
         if v is None:
@@ -131,7 +139,21 @@ def widen(limits: dict[str, float], golden: Mapping, tap: str, factor: float) ->
             out[metric] = min(limit, 1.0 - factor * (1.0 - v))
         else:
             out[metric] = max(limit, factor * v)
-    return out
+        basis[metric] = {"fixed": limit, "noise": v, "factor": factor}
+    return out, basis
+
+
+def basis_text(metric: str, basis: Mapping | None) -> str:
+    """Where a limit came from, as a report says it: ``2.5 × noise 7.3e-04`` where the
+    reference's own BF16 noise set it, ``fixed`` where the tolerance file's limit did (with the
+    noise term it beat, if any). A lower bound's noise is its deficit from 1."""
+    b = (basis or {}).get(metric)
+    if b is None:
+        return "fixed"
+    lower = METRICS.get(metric) == "min"
+    noise, fixed = ((1.0 - b["noise"]), (1.0 - b["fixed"])) if lower else (b["noise"], b["fixed"])
+    what = f"{b['factor']:g} × {'noise deficit' if lower else 'noise'} {noise:.2e}"
+    return what if b["factor"] * noise > fixed else f"fixed ({what} is tighter)"
 
 
 def near_tie_margin(tol_margin: float, golden: Mapping, step: int, factor: float) -> float:

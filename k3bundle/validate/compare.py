@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3bundle.executor.taps import layer_of
+from k3bundle.golden.noise import basis_text
 from k3bundle.golden.tolerances import METRICS, Tolerances
 from k3bundle import metrics as M
 
@@ -30,6 +31,7 @@ class TapResult:
     passed: bool
     min_required: dict[str, float] = field(default_factory=dict)
     nonfinite: dict | None = None  # NaN/Inf counts on each side where either has one (nonfinite_evidence)
+    basis: dict | None = None  # per metric, what its limit came from (golden.noise.widen_with_basis)
 
     @property
     def layer(self) -> int | None:
@@ -38,9 +40,14 @@ class TapResult:
     def __bool__(self) -> bool:
         return self.passed
 
+    def _from(self, metric: str) -> str:
+        """`` (2.5 × noise 7.3e-04)`` where the reference's BF16 noise set this limit."""
+        text = basis_text(metric, self.basis)
+        return "" if text.startswith("fixed") else f" ({text})"
+
     def line(self) -> str:
         vals = ", ".join(f"{k}={_fmt(v)}" for k, v in self.values.items())
-        lims = ", ".join(f"{k} {'>=' if METRICS[k] == 'min' else '<='} {_fmt(v)}"
+        lims = ", ".join(f"{k} {'>=' if METRICS[k] == 'min' else '<='} {_fmt(v)}" + self._from(k)
                          for k, v in self.limits.items())
         status = "PASSED" if self.passed else "FAILED"
         tap = self.tap if self.nonfinite is None else f"{self.tap}: {nonfinite_text(self.nonfinite)}"
@@ -105,23 +112,23 @@ def judge(values: dict[str, float], limits: dict[str, float]) -> tuple[bool, dic
 
 
 def compare_tensor(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
-                   mode: str, limits: dict[str, float] | None = None) -> TapResult:
+                   mode: str, limits: dict[str, float] | None = None, basis: dict | None = None) -> TapResult:
     limits = tol.limits(mode, tap) if limits is None else limits
     values = {"nmse": M.nmse(ref, x), "cosine": M.cosine(ref, x), "max_abs": M.max_abs(ref, x)}
     ok, need = judge(values, limits)
     nf = nonfinite_evidence(ref, x)
-    return TapResult(case, tap, mode, values, limits, ok and _finite_rule(nf), need, nf)
+    return TapResult(case, tap, mode, values, limits, ok and _finite_rule(nf), need, nf, basis or None)
 
 
 def compare_logits(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor, tol: Tolerances,
-                   limits: dict[str, float] | None = None) -> TapResult:
+                   limits: dict[str, float] | None = None, basis: dict | None = None) -> TapResult:
     k = M.kld(ref, x)
     values = {"kld_mean": float(k.mean()) if k.numel() else 0.0, "kld_p99": M.quantile(k, 0.99),
               "top1": M.topk_agreement(ref, x, 1), "top5": M.topk_agreement(ref, x, min(5, ref.shape[-1]))}
     limits = dict(tol.logits) if limits is None else limits
     ok, need = judge(values, limits)
     nf = nonfinite_evidence(ref, x, logits=True)
-    return TapResult(case, tap, "distribution", values, limits, ok and _finite_rule(nf), need, nf)
+    return TapResult(case, tap, "distribution", values, limits, ok and _finite_rule(nf), need, nf, basis or None)
 
 
 def compare_router(case: str, tap: str, ref_ids: torch.Tensor, ids: torch.Tensor,

@@ -234,17 +234,20 @@ def _margin_table(rows, total: int) -> str:
         over = m.use > 1 or m.use != m.use
         bc = m.beyond_clean
         body.append([badge("fail" if over else "pass"), esc(m.mode), f"<code>{esc(m.tap)}</code>", esc(m.metric),
-                     esc(show(m.metric, m.value)), esc(show(m.metric, m.limit)), esc(show_use(m.use)),
-                     "–" if m.clean_worst is None else esc(show(m.metric, m.clean_worst)),
+                     esc(show(m.metric, m.value)), esc(show(m.metric, m.limit)), esc(m.limit_from),
+                     esc(show_use(m.use)), "–" if m.clean_worst is None else esc(show(m.metric, m.clean_worst)),
                      "–" if bc is None else f"{bc:.3g}×"])
         cls.append("bad" if over else "")
     more = f" ({total - len(rows)} more in signoff.json)" if total > len(rows) else ""
     return (f"<h3>Nearest the limit</h3><p class='muted'>Checks at {NEAR:.0%} of their limit or beyond{more}. "
             "<b>× clean worst</b>: the value relative to the worst the same check reached on clean bundles "
             "in the calibration run that set the limits; above 1× it is worse than any clean bundle seen, "
-            "near or below 1× an unlucky clean case.</p>"
-            + table(["", "mode", "tap", "metric", "value", "limit", "use of limit", "calibrated clean worst",
-                     "× clean worst"], body, cls="checks near", num=(4, 5, 6, 7, 8), row_cls=cls))
+            "near or below 1× an unlucky clean case. <b>limit from</b>: the tolerance file's fixed limit, or "
+            "a factor × the reference's own BF16 noise at that check where that is looser "
+            "(docs/validation.md, the limit as a formula).</p>"
+            + table(["", "mode", "tap", "metric", "value", "limit", "limit from", "use of limit",
+                     "calibrated clean worst", "× clean worst"], body, cls="checks near", num=(4, 5, 7, 8, 9),
+                    row_cls=cls))
 
 
 def _case(rep, c, n: int, types, tokens: int | None) -> str:

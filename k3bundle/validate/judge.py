@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from k3bundle.executor.taps import spec_of, tap_kind
-from k3bundle.golden.noise import ADDED, widen
+from k3bundle.golden.noise import ADDED, widen_with_basis
 from k3bundle.golden.tolerances import Tolerances
 from k3bundle import metrics as M
 from k3bundle.validate.compare import TapResult, compare_logits, compare_router, compare_tensor
@@ -40,11 +40,11 @@ def inherited_checks(golden: dict, cand: dict, case: str, tol: Tolerances, route
         ref, x = as_tensor(golden[name]), cand[name]
         factor = tol.noise.get("factor", 0.0)  # free-running limits widen with the reference's BF16 noise
         if how == "logits":
-            limits = widen(dict(tol.logits), golden, name, factor)
-            results.append(compare_logits(case, name, ref, x.to(ref.device), tol, limits))
+            limits, basis = widen_with_basis(dict(tol.logits), golden, name, factor)
+            results.append(compare_logits(case, name, ref, x.to(ref.device), tol, limits, basis))
         elif how == "tensor":
-            limits = widen(tol.limits("inherited", name), golden, name, factor)
-            results.append(compare_tensor(case, name, ref, x, tol, "inherited", limits))
+            limits, basis = widen_with_basis(tol.limits("inherited", name), golden, name, factor)
+            results.append(compare_tensor(case, name, ref, x, tol, "inherited", limits, basis))
     for name in sorted(cand):
         if routers and _judged(name) == "router" and name in golden and not name.startswith("decode."):
             results.append(compare_router(case, name, as_tensor(golden[name]), cand[name],
@@ -83,15 +83,23 @@ def layer_checks(outputs: dict[str, torch.Tensor], ref: Callable[[str], object],
                                           as_tensor(margins(_margin_of(tap))), tol,
                                           outputs.get(NOISE + _margin_of(tap))))
         else:
-            limits = widen(tol.limits(mode, name), noise, ADDED + name, factor) if factor else None
-            results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode, limits))
+            limits, basis = widen_with_basis(tol.limits(mode, name), noise, ADDED + name, factor) if factor \
+                else (None, None)
+            results.append(compare_tensor(case, name, as_tensor(expected), value, tol, mode, limits, basis))
     return results
 
 
-def drift_limits(golden: dict, names, tol: Tolerances) -> dict[str, float]:
-    """Per state: the fixed drift limit, widened with the reference's own BF16 drift."""
-    base = tol.state.get("drift_nmse", float("inf"))
-    return {n: widen({"drift_nmse": base}, golden, n, tol.noise.get("factor", 0.0))["drift_nmse"] for n in names}
+def drift_limits(golden: dict, names, tol: Tolerances) -> tuple[dict[str, float], dict[str, dict]]:
+    """Per state: the fixed drift limit widened with the reference's own BF16 drift, and what
+    each limit came from (``widen_with_basis``) where the goldens carry that drift."""
+    base, factor = tol.state.get("drift_nmse", float("inf")), tol.noise.get("factor", 0.0)
+    limits, basis = {}, {}
+    for n in names:
+        lim, b = widen_with_basis({"drift_nmse": base}, golden, n, factor)
+        limits[n] = lim["drift_nmse"]
+        if b:
+            basis[n] = b["drift_nmse"]
+    return limits, basis
 
 
 def state_drift(golden: dict, cand: dict) -> dict[str, list[float]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3bundle.executor.taps import tap_kind
+from k3bundle.golden.noise import basis_text
 from k3bundle.golden.tolerances import METRICS, Tolerances
 
 NEAR = 0.5  # checks at or above this share of their limit are listed
@@ -54,6 +55,12 @@ class Margin:
     value: float
     limit: float
     clean_worst: float | None  # None: the check was not calibrated
+    basis: dict | None = None  # what the limit came from (golden.noise.widen_with_basis), None: fixed
+
+    @property
+    def limit_from(self) -> str:
+        """``2.5 × noise 7.3e-04`` where the reference's own BF16 noise set the limit, else ``fixed``."""
+        return basis_text(self.metric, {self.metric: self.basis} if self.basis else None)
 
     @property
     def use(self) -> float:
@@ -66,7 +73,8 @@ class Margin:
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "tap": self.tap, "metric": self.metric, "value": self.value,
-                "limit": self.limit, "use_of_limit": self.use, "calibrated_clean_worst": self.clean_worst,
+                "limit": self.limit, "limit_from": self.limit_from, "limit_basis": self.basis,
+                "use_of_limit": self.use, "calibrated_clean_worst": self.clean_worst,
                 "relative_to_clean_worst": self.beyond_clean}
 
 
@@ -78,11 +86,12 @@ def margins(case, tol: Tolerances, near: float = NEAR) -> list[Margin]:
         for metric, limit in r.limits.items():
             v = r.values.get(metric)
             if isinstance(v, float) and metric in METRICS:
-                out.append(Margin(r.mode, r.tap, metric, v, limit, worst.get(check_key(r.mode, r.tap, metric))))
+                out.append(Margin(r.mode, r.tap, metric, v, limit, worst.get(check_key(r.mode, r.tap, metric)),
+                                  (r.basis or {}).get(metric)))
     for name, vals in case.drift.items():
         if vals:
             out.append(Margin("state", name, "drift_nmse", max(vals), case.limit_of(name),
-                              worst.get(check_key("state", name, "drift_nmse"))))
+                              worst.get(check_key("state", name, "drift_nmse")), case.drift_basis.get(name)))
     # NaN compares false: a NaN value is always listed
     listed = [m for m in out if not m.use < near]
     return sorted(listed, key=lambda m: -m.use if m.use == m.use else float("-inf"))

@@ -27,7 +27,8 @@ from k3bundle.validate.margin import NEAR, margins, show, show_use
 
 def _result(r) -> dict:
     return {"tap": r.tap, "layer": r.layer, "mode": r.mode, "passed": r.passed,
-            "values": r.values, "limits": r.limits, "min_required": r.min_required, "nonfinite": r.nonfinite}
+            "values": r.values, "limits": r.limits, "limit_basis": r.basis, "min_required": r.min_required,
+            "nonfinite": r.nonfinite}
 
 
 def to_json(rep) -> dict:
@@ -44,7 +45,7 @@ def to_json(rep) -> dict:
                 "greedy": None if c.greedy is None else c.greedy.__dict__,
                 "state_drift_max": max((max(v) for v in c.drift.values() if v), default=0.0),
                 "state_drift_limit": c.drift_limit,
-                "state_drift_limits": c.drift_limits,
+                "state_drift_limits": c.drift_limits, "state_drift_basis": c.drift_basis,
                 "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
                 "margins": [m.as_dict() for m in margins(c, rep.tolerances)],
@@ -118,13 +119,13 @@ def margin_table(rows) -> list[str]:
     """Checks at or over NEAR of their limit: how far from the limit and from the calibrated clean worst."""
     out = ["", f"Checks at {NEAR:.0%} of their limit or beyond (use of the limit; the worst clean value in "
            "the calibration run; this value relative to it, > 1× is worse than any clean bundle seen):", "",
-           "| check | tap | value | limit | use of limit | calibrated clean worst | × clean worst |",
-           "|---|---|---|---|---|---|---|"]
+           "| check | tap | value | limit | limit from | use of limit | calibrated clean worst | × clean worst |",
+           "|---|---|---|---|---|---|---|---|"]
     for m in rows:
         cw = "–" if m.clean_worst is None else show(m.metric, m.clean_worst)
         bc = "–" if m.beyond_clean is None else f"{m.beyond_clean:.3g}×"
         out.append(f"| {m.mode} {m.metric} | `{m.tap}` | {show(m.metric, m.value)} | {show(m.metric, m.limit)} | "
-                   f"{show_use(m.use)} | {cw} | {bc} |")
+                   f"{m.limit_from} | {show_use(m.use)} | {cw} | {bc} |")
     return out
 
 

@@ -47,6 +47,7 @@ class CaseReport:
     drift: dict[str, list[float]] = field(default_factory=dict)
     drift_limit: float = 0.0  # the tolerance file's limit
     drift_limits: dict[str, float] = field(default_factory=dict)  # per state, widened with the BF16 noise
+    drift_basis: dict[str, dict] = field(default_factory=dict)  # per state, what its limit came from
     kld_by_position: list[float] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # the prompt positions kld_by_position is at
     first_failure: TapResult | None = None
@@ -225,7 +226,7 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
                                     step_logits=cand.get("step_logits"))
     rep.drift = state_drift(golden, cand)
     rep.drift_limit = tol.state.get("drift_nmse", float("inf"))
-    rep.drift_limits = drift_limits(golden, rep.drift, tol)
+    rep.drift_limits, rep.drift_basis = drift_limits(golden, rep.drift, tol)
     if "logits" in cand:
         rep.kld_by_position = kld(as_tensor(golden["logits"]), cand["logits"].to(torch.float64)).tolist()
         rep.positions = [int(p) for p in golden["positions"]] if "positions" in golden else []
