@@ -69,7 +69,8 @@ def test_greedy_near_tie_margin_widens_with_the_references_own_logit_shift():
 def test_margins_against_limit_and_calibrated_clean_worst(tol):
     rep = CaseReport("c", "greedy", "pass",
                      results=[TapResult("c", "layers.3.mixer_out", "added", {"nmse": 2e-4, "cosine": 0.9996},
-                                        {"nmse": 3e-4, "cosine": 0.9995}, True),
+                                        {"nmse": 3e-4, "cosine": 0.9995}, True,  # nmse: 2.5 x 1.2e-4 beat 2.5e-4
+                                        basis={"nmse": {"fixed": 2.5e-4, "noise": 1.2e-4, "factor": 2.5}}),
                               _r("layers.4.ffn_out", "added", 1e-5, 3e-4)],
                      drift={"decode_states.layers.0.kda_state": [0.045]}, drift_limit=0.05)
     rows = {(m.tap, m.metric): m for m in margins(rep, tol)}
@@ -85,7 +86,8 @@ def test_margins_against_limit_and_calibrated_clean_worst(tol):
     assert [x.use for x in margins(rep, tol)] == sorted([x.use for x in margins(rep, tol)], reverse=True)
     report = Report("b", "device", "cpu", tol, [rep], {})
     md = to_markdown(report)
-    assert "limits calibrated: hand-made" in md and "| added nmse | `layers.3.mixer_out` | 0.0002 | 0.0003 | 67% | 0.0001 | 2× |" in md
+    assert "limits calibrated: hand-made" in md and "| added nmse | `layers.3.mixer_out` | 0.0002 | 0.0003 | 2.5 × noise 1.20e-04 | 67% | 0.0001 | 2× |" in md
+    assert "| added cosine | `layers.3.mixer_out` | 1 − 0.0004 | 1 − 0.0005 | fixed | 80% |" in md
     listed = to_json(report)["cases"][0]["margins"]
     assert listed[0]["tap"] == "decode_states.layers.0.kda_state" and listed[0]["relative_to_clean_worst"] == pytest.approx(4.5)
 
