@@ -413,6 +413,48 @@ def test_planted_kernel_bug_is_located_to_a_layer_of_its_op(work, tmp_path, bug)
     want = {"kda": ("mixer_out", "kda_state"), "mla": ("mixer_out", "mla_latent"),
             "moe": ("ffn_out", "router_weights", "router_ids")}[kind]
     assert tap.endswith(want), tap
+    # the finding names the planted op (a decode step's failure: every op of the block, prefill's too)
+    from k3bundle.kernels.planted import BUGS
+
+    ff = next(c for c in data["cases"] if c["status"] == "fail")["first_failure"]
+    assert set(ff["ops"]) & set(BUGS[bug][1]) and set(ff["ops"]) <= set(BUGS[bug][1]), (ff["ops"], bug)
+    assert data["kernels"]["module"] == "k3bundle.kernels.planted"
+
+
+WRONG_SCALE_OPS = '''"""One op, wrong: MLA prefill with its softmax scale 30% low."""
+from k3bundle.kernels.reference import gated_mla_prefill as _reference
+
+NAME = "wrong-scale"
+
+
+def gated_mla_prefill(q, k, v, gate, *, offset, scale):
+    return _reference(q, k, v, gate, offset=offset, scale=scale * 0.7)
+'''
+
+
+def test_a_kernel_bug_is_named_by_its_op_and_backend_module(work, tmp_path):
+    """A backend module with one wrong op (in the working directory, as a vendor's file): the
+    first failure is the first MLA layer's output, and the terminal line, signoff.md, the page
+    and signoff.json name the op and the module it came from."""
+    from k3bundle.config import load_config
+
+    (tmp_path / "wrong_scale_ops.py").write_text(WRONG_SCALE_OPS)
+    text = load_config(work["tiny-tp2"] / "config.json").text
+    mla = next(l for l in range(text.num_hidden_layers) if text.is_mla(l))
+    r = run_cli("validate", str(work["tiny-tp2"]), "--backend", "wrong_scale_ops", "--out", str(tmp_path / "r"),
+                cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    line = next(l for l in r.stdout.splitlines() if l.strip().startswith("greedy"))
+    assert line.endswith(f"first failure: layer {mla}, layers.{mla}.mixer_out (added); op gated_mla_prefill of "
+                         "backend 'wrong-scale' (module wrong_scale_ops)"), line
+    md, html = ((tmp_path / "r" / f).read_text() for f in ("signoff.md", "signoff.html"))
+    assert f"| layer {mla}, `layers.{mla}.mixer_out` (added); op `gated_mla_prefill` of backend 'wrong-scale' " \
+           "(module wrong_scale_ops) |" in md
+    assert "op <code>gated_mla_prefill</code> of backend &#x27;wrong-scale&#x27; (module wrong_scale_ops)" in html
+    data = json.loads((tmp_path / "r" / "signoff.json").read_text())
+    assert data["kernels"] == {"backend": "wrong-scale", "module": "wrong_scale_ops", "ops": ["gated_mla_prefill"]}
+    greedy = next(c for c in data["cases"] if c["name"] == "greedy")
+    assert greedy["first_failure"]["ops"] == ["gated_mla_prefill"]
 
 
 def _retolerance(tol: Path, text: str) -> None:

@@ -11,7 +11,7 @@ from k3bundle.provenance.verify import LEVELS
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar, sigterm_raises
 from k3bundle.file_names import REPORTS_DIR
 from k3bundle.validate.errors import Terminated
-from k3bundle.validate.findings import place
+from k3bundle.validate.findings import finding
 from k3bundle.validate.report import discard_reports, start_run, to_json, write_reports
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.device_options import open_device
@@ -65,7 +65,7 @@ def validate(
             lines.append(f"  {c.name:<13} not run: {c.reason}")
             continue
         ff = c.first_failure
-        where = "" if ff is None else f" — first failure: {place(ff.tap)} ({ff.mode})"
+        where = "" if ff is None else f" — first failure: {finding(ff, c.kernel_ops, rep.kernels)}"
         failed = sum(not r.passed for r in c.results)
         lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
     lines.append(f"bundle files: {rep.integrity}")

@@ -61,7 +61,7 @@ def from_module(mod: types.ModuleType, name: str) -> Backend:
         raise K3Error(f"backend {name!r} ({mod.__name__}) defines none of the ops {', '.join(OPS)}{hint}")
     devices = getattr(mod, "DEVICES", None)
     return Backend(getattr(mod, "NAME", name), ops, tuple(devices) if devices else None,
-                   getattr(mod, "setup", None), tuple(misses))
+                   getattr(mod, "setup", None), tuple(misses), mod.__name__)
 
 
 def print_warnings(backend: Backend) -> None:
@@ -112,5 +112,5 @@ def load(name: str | None) -> Backend:
                       "or an importable module path (installed, on PYTHONPATH or in the working directory)") from None
     if not isinstance(mod, types.ModuleType):  # an entry point may name an object
         ops = {op: getattr(mod, op) for op in OPS if callable(getattr(mod, op, None))}
-        return Backend(getattr(mod, "NAME", name), ops)
+        return Backend(getattr(mod, "NAME", name), ops, module=ep.value)
     return from_module(mod, name)

@@ -126,4 +126,4 @@ BUGS: dict[str, tuple[str, dict]] = {
 def backend(bug: str) -> Backend:
     if bug not in BUGS:
         raise K3Error(f"backend 'planted:{bug}': no such planted bug; known: {', '.join(BUGS)}")
-    return Backend(f"planted:{bug}", dict(BUGS[bug][1]))
+    return Backend(f"planted:{bug}", dict(BUGS[bug][1]), module=__name__)

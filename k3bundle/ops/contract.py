@@ -38,6 +38,8 @@ class OpContract:
     keywords: tuple[Arg, ...]  # keyword-only
     returns: tuple[Arg, ...]
     does: str  # the math, with its equation numbers (docs/kimi-k3.md)
+    block: str = ""  # where a layer calls it: "kda" or "mla" (the mixer), "moe" (the routed FFN)
+    runs: str = "both"  # when: "prefill" (the prompt), "decode" (a decode step) or "both"
 
     def signature(self) -> str:
         kw = [k.name if k.default is None else f"{k.name}={k.default}" for k in self.keywords]
@@ -91,18 +93,21 @@ OP_CONTRACTS: dict[str, OpContract] = {
                    Arg("cu_seqlens", "[N+1]", "int64", "sequence starts in T, then T")),
         (Arg("lower_bound", "", "float", "gate lower bound (-5)"), Arg("chunk", "", "int", "chunk length", "64")),
         (Arg("o", "[T, H, V]", "act"), Arg("state", "[N, H, K, V]", "f32", "final state per sequence")),
-        _KDA_MATH),
+        _KDA_MATH,
+        block="kda", runs="prefill"),
     "kda_recurrent_decode": OpContract(
         tuple(_decode(a) for a in _KDA_IN) + (Arg("state", "[B, H, K, V]", "f32"),),
         (Arg("lower_bound", "", "float"),),
         (Arg("o", "[B, H, V]", "act"), Arg("state", "[B, H, K, V]", "f32", "the new state")),
-        "one token per request; " + _KDA_MATH),
+        "one token per request; " + _KDA_MATH,
+        block="kda", runs="decode"),
     "causal_short_conv1d_with_state": OpContract(
         (Arg("u", "[T, P]", "act", "pre-conv input of q, k or v"), Arg("weight", "[P, 1, W]", "f32", "depthwise"),
          Arg("state", "[W-1, P]", "act", "the previous W-1 inputs")),
         (),
         (Arg("out", "[T, P]", "act", "SiLU(causal conv)"), Arg("state", "[W-1, P]", "act", "the last W-1 inputs")),
-        "K1: depthwise causal conv over [state ‖ u], then SiLU"),
+        "K1: depthwise causal conv over [state ‖ u], then SiLU",
+        block="kda"),
     "gated_mla_prefill": OpContract(
         (Arg("q", "[T, H, Q]", "act"), Arg("k", "[S, H, Q]", "act"), Arg("v", "[S, H, V]", "act"),
          Arg("gate", "[T, H·V]", "act", "logits")),
@@ -110,7 +115,8 @@ OP_CONTRACTS: dict[str, OpContract] = {
          Arg("scale", "", "float", "softmax scale, Q^-1/2")),
         (Arg("y", "[T, H·V]", "act"),),
         "M4-M5: softmax_causal(q kᵀ·scale) v ⊙ sigmoid(gate); query t at position offset + t sees keys "
-        "0..offset+t"),
+        "0..offset+t",
+        block="mla", runs="prefill"),
     "gated_mla_decode_latent_cache": OpContract(
         (Arg("q_nope", "[B, H, Qn]", "act"), Arg("q_pe", "[B, H, R]", "act"),
          Arg("latent", "[B, S, L+R]", "act", "[ĉ_kv ‖ k_pe] rows"), Arg("lengths", "[B]", "int64"),
@@ -118,14 +124,16 @@ OP_CONTRACTS: dict[str, OpContract] = {
          Arg("gate", "[B, H·V]", "act", "logits")),
         (Arg("scale", "", "float"),),
         (Arg("y", "[B, H·V]", "act"),),
-        "M4-M5 with W_UK/W_UV absorbed; request b attends latent[b, :lengths[b]]"),
+        "M4-M5 with W_UK/W_UV absorbed; request b attends latent[b, :lengths[b]]",
+        block="mla", runs="decode"),
     "sigmoid_biased_topk_router": OpContract(
         (Arg("x", "[T, D]", "act"), Arg("w", "[X, D]", "act"), Arg("bias", "[X]", "f32")),
         (Arg("top_k", "", "int"), Arg("scaling", "", "float", "routed_scaling_factor"),
          Arg("forced_ids", "[T, Kx]", "int64", "ids to use instead of choosing (teacher-forced runs)", "None")),
         (Arg("ids", "[T, Kx]", "int64"), Arg("weights", "[T, Kx]", "f32")),
         "R1-R3: sigmoid scores; the bias selects the top_k, it never weights; weights are the unbiased "
-        "scores renormalised × scaling (of forced_ids when given)"),
+        "scores renormalised × scaling (of forced_ids when given)",
+        block="moe"),
     "mxfp4_weight_gemm_grouped": OpContract(
         (Arg("z", "[T, Lr]", "act"), Arg("ids", "[T, Kx]", "int64"), Arg("weights", "[T, Kx]", "f32"),
          Arg("experts", "", "callable", "experts(e) -> {'w1', 'w3', 'w2': ExpertWeight}, or None for "
@@ -133,7 +141,8 @@ OP_CONTRACTS: dict[str, OpContract] = {
         (Arg("situ_beta", "", "float"), Arg("situ_cap", "", "float")),
         (Arg("r", "[T, Lr]", "f32"),),
         "R5: r = Σ_k w_k·GLU_e(z) over each token's experts. An ExpertWeight has .value() (dense), .mxfp4() "
-        "(packed codes + E8M0 scales) and .shape; ops.expert_weight.values(ws) decodes a group at once"),
+        "(packed codes + E8M0 scales) and .shape; ops.expert_weight.values(ws) decodes a group at once",
+        block="moe"),
 }
 OPS = tuple(OP_CONTRACTS)
 
@@ -161,6 +170,7 @@ class Backend:
     devices: tuple[str, ...] | None = None  # device types it runs on (None: any)
     setup_fn: Callable | None = None
     warnings: tuple[str, ...] = ()  # e.g. a function named near an op but none (kernels.backend.near_misses)
+    module: str = ""  # the module its ops come from, for reports ("" where it is none)
 
     def provides(self, op: str) -> bool:
         return op in self.ops

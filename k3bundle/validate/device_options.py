@@ -74,10 +74,12 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
     if ranks == "distributed":
         if weights_kind(path) != "bundle":
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
-        return Distributed(path, device=device, nproc=nproc, results=rank_results, backend=backend,
-                           name=backend_label(device, kern))
-    if rank_results is not None:
-        raise ValidateError("--rank-results needs --ranks distributed")
-    if kern is not None:
-        factory = with_backend(factory, kern)
-    return InProcess(factory, backend_label(device, kern), source=path)
+        dut = Distributed(path, device=device, nproc=nproc, results=rank_results, backend=backend,
+                          name=backend_label(device, kern))
+    else:
+        if rank_results is not None:
+            raise ValidateError("--rank-results needs --ranks distributed")
+        dut = InProcess(factory if kern is None else with_backend(factory, kern), backend_label(device, kern),
+                        source=path)
+    dut.kernels = kern  # a failure's report names the backend's ops that ran there
+    return dut

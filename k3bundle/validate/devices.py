@@ -87,6 +87,7 @@ def builtin_output(cand: dict, layers: dict | None, golden: dict, exact_section:
 class Device(ABC):
     mode = "device"  # "device" (the built-in executor) or "dumps" (an external runtime)
     exact_status = "not run: only the built-in device in one process runs it"
+    kernels = None  # the backend whose ops it runs (``ops.contract.Backend``); None: the reference's
 
     def __init__(self, name: str):
         self.name = name  # for the report: cpu, cuda, 2 ranks on cuda, ...

@@ -7,6 +7,10 @@ error of every layer before it: it fails at the fault and everywhere after, and 
 by itself. Every report therefore lists a case's failures in ``failure_order`` — teacher-forced
 first, each group in the tap grammar's forward order — the terminal's first-failure line,
 ``signoff.md``'s per-case list and the HTML page alike.
+
+Where a backend's kernels ran (``validate --backend``), a failure also names the backend's ops
+that ran where it failed (``ops_behind``) and the module they come from (``finding``): a kernel
+bug is then read as an op, not only as a layer.
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from k3bundle.executor.taps import forward_key, layer_of, tap_kind
+from k3bundle.kernels.backend import OP_CONTRACTS, OPS
 
 TEACHER_FORCED = frozenset({"added", "emulation", "exact", "exact_gpu", "router"})
 #: what a tap that belongs to no layer is, in words (any other: the model's output)
 MODEL_PLACES = {"embed": "model input", "final_hidden": "after the last layer"}
+#: the part of a layer a tap's value comes from: its mixer (KDA or MLA) or its FFN (the routed
+#: experts in a MoE layer); the AttnRes taps come from neither (no op of a backend computes them)
+MIXER_TAPS = frozenset({"mixer_out", "kda_state", "kda_conv", "mla_latent"})
+FFN_TAPS = frozenset({"router_ids", "router_weights", "ffn_out"})
+#: checks whose run keeps the reference's ops: the exact check (float32 on the goldens' weights)
+REFERENCE_MODES = frozenset({"exact", "exact_gpu"})
 
 
 def failure_order(r) -> tuple:
@@ -44,3 +55,45 @@ def place(tap: str, code: Callable[[str], str] = str) -> str:
     layer = layer_of(tap)
     where = f"layer {layer}" if layer is not None else MODEL_PLACES.get(tap_kind(tap), "model output")
     return f"{where}, {code(tap)}"
+
+
+def ops_behind(tap: str, mode: str, text, ops) -> list[str]:
+    """The ops among ``ops`` (a backend's) that ran where ``tap`` failed, in contract order: the
+    layer's mixer ops (KDA or MLA) for a mixer tap, its MoE ops for an FFN tap of a MoE layer
+    (``text``: the model's ``TextConfig``). At the prompt, the ops that run there; at a decode
+    step every op of that part of the layer, since a step reads the state its prefill left. None
+    for a tap of no layer, an AttnRes tap or a check that ran on the reference (``REFERENCE_MODES``)."""
+    layer, kind = layer_of(tap), tap_kind(tap)
+    if layer is None or mode in REFERENCE_MODES:
+        return []
+    if kind in MIXER_TAPS:
+        block = "mla" if text.is_mla(layer) else "kda"
+    elif kind in FFN_TAPS and text.is_moe(layer):
+        block = "moe"
+    else:
+        return []
+    decode = tap.startswith(("decode.", "decode_states."))
+    return [op for op in OPS if op in ops and OP_CONTRACTS[op].block == block
+            and (decode or OP_CONTRACTS[op].runs != "decode")]
+
+
+def kernels_of(backend) -> dict | None:
+    """What a report says of the backend a device ran (``ops.contract.Backend``): its name, its
+    module and the ops it brought; None for the reference."""
+    if backend is None:
+        return None
+    return {"backend": backend.name, "module": backend.module, "ops": [op for op in OPS if op in backend.ops]}
+
+
+def finding(ff, ops: list[str], kernels: dict | None, code: Callable[[str], str] = str,
+            text: Callable[[str], str] = str) -> str:
+    """A case's first failure in one line: ``layer 3, layers.3.mixer_out (added)``, and where a
+    backend ran, ``; op gated_mla_prefill of backend 'NAME' (module M)`` (or that none of its ops ran
+    there). ``code`` marks up tap and op names, ``text`` escapes the rest (Markdown, HTML)."""
+    out = f"{place(ff.tap, code)} ({text(ff.mode)})"
+    if kernels is None:
+        return out
+    who = text(f"backend {kernels['backend']!r} (module {kernels['module'] or 'none'})")
+    if not ops:
+        return f"{out}; no op of {who} ran there"
+    return f"{out}; op{'s' if len(ops) > 1 else ''} {', '.join(map(code, ops))} of {who}"

@@ -18,7 +18,7 @@ from k3bundle.file_names import CONFIG
 from k3bundle.golden.tolerances import METRICS
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
-from k3bundle.validate.findings import failures, place
+from k3bundle.validate.findings import failures, finding
 from k3bundle.validate.margin import NEAR, margins, show, show_use
 
 MODES = ("added", "emulation", "inherited")
@@ -213,7 +213,7 @@ def _summary(rep) -> str:
             cls.append("")
             continue
         ff = c.first_failure
-        where = "–" if ff is None else f"{place(ff.tap, _code)} ({esc(ff.mode)})"
+        where = "–" if ff is None else finding(ff, c.kernel_ops, rep.kernels, _code, esc)
         if ff is None and c.status == "fail":
             where = esc(c.reason)
         failed = sum(not r.passed for r in c.results)
@@ -259,7 +259,7 @@ def _case(rep, c, n: int, types, tokens: int | None) -> str:
     ff = c.first_failure
     bad = failures(c.results)  # the ones that locate the fault first
     if c.status == "fail":
-        what = (f"First failure: {place(ff.tap, _code)} ({esc(ff.mode)}) — "
+        what = (f"First failure: {finding(ff, c.kernel_ops, rep.kernels, _code, esc)} — "
                 + ", ".join(f"{esc(k)} {sci(v)} vs limit {sci(ff.limits.get(k))}" for k, v in ff.values.items()
                             if k in ff.limits)) if ff is not None else esc(c.reason)
         parts.append(f"<div class='callout'>{what}. {len(bad)} of {len(c.results)} checks fail.</div>")

@@ -19,7 +19,7 @@ from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAMES, VALIDATE_RUN
 from k3bundle.io.files import remove_temps_of, temp_path, write_atomic
 from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.validate.errors import ValidateError
-from k3bundle.validate.findings import failures, place
+from k3bundle.validate.findings import failures, finding
 from k3bundle.validate.html import tie_text, to_html
 from k3bundle.validate.margin import NEAR, margins, show, show_use
 
@@ -40,7 +40,7 @@ def to_json(rep) -> dict:
             ff = c.first_failure
             d.update({
                 "first_failure": None if ff is None else {"layer": ff.layer, "tap": ff.tap, "mode": ff.mode,
-                                                          "line": ff.line()},
+                                                          "line": ff.line(), "ops": c.kernel_ops},
                 "checks": len(c.results), "failed": sum(not r.passed for r in c.results),
                 "greedy": None if c.greedy is None else c.greedy.__dict__,
                 "state_drift_max": max((max(v) for v in c.drift.values() if v), default=0.0),
@@ -53,7 +53,8 @@ def to_json(rep) -> dict:
         cases.append(d)
     return nonfinite_as_text({  # "nan" / "inf" as text: the sign-off stays JSON the strict reader takes
             "schema_version": SIGNOFF_SCHEMA_VERSION, "k3bundle_version": __version__, "bundle": rep.bundle,
-            "mode": rep.mode, "device": rep.device, "backend": rep.backend, "tolerances": rep.tolerances.name,
+            "mode": rep.mode, "device": rep.device, "backend": rep.backend, "kernels": rep.kernels,
+            "tolerances": rep.tolerances.name,
             **rep.binding, "run_id": rep.run_id,  # what was judged: the checklist ticks only while it is the bundle's now
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
@@ -79,7 +80,7 @@ def to_markdown(rep) -> str:
             lines.append(f"| {c.name} | {c.kind} | not run | – | {c.reason} | – | – | – |")
             continue
         ff = c.first_failure
-        where = "–" if ff is None else f"{place(ff.tap, _md_code)} ({ff.mode})"
+        where = "–" if ff is None else finding(ff, c.kernel_ops, rep.kernels, _md_code)
         g = c.greedy
         greedy = "–" if g is None else (f"{g.matched}/{g.total} equal" + ("" if g.first_divergence is None
                                         else f", first divergence at step {g.first_divergence}"

@@ -31,7 +31,7 @@ from k3bundle.executor.taps import forward_key
 from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, nonfinite_text
 from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
-from k3bundle.validate.findings import first_failure
+from k3bundle.validate.findings import first_failure, kernels_of, ops_behind
 from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
 from k3bundle.metrics import kld
 
@@ -51,6 +51,7 @@ class CaseReport:
     kld_by_position: list[float] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # the prompt positions kld_by_position is at
     first_failure: TapResult | None = None
+    kernel_ops: list[str] = field(default_factory=list)  # the backend's ops that ran at the first failure
     layer_checks: str = ""  # why teacher-forced checks were skipped, if they were
     seconds: float = 0.0  # the device's run of the case and its judging
 
@@ -84,6 +85,7 @@ class Report:
     binding: dict = field(default_factory=dict)  # what was judged (bundle.signoff.binding), as the run began
     backend: str | None = None  # --backend: the kernels the built-in executor ran (None: the reference's)
     run_id: str = ""  # the run the bundle's run marker names (bundle.signoff.write_run_marker)
+    kernels: dict | None = None  # the backend the device ran (findings.kernels_of); None: the reference
 
     @property
     def passed(self) -> bool:
@@ -311,8 +313,18 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     if progress:
         progress(len(listed), len(listed), "")
     check_unchanged(judged, binding(bundle, meta, vdir / GOLDEN_TOLERANCES))
+    if device.kernels is not None:
+        name_kernel_ops(bundle, case_reports, device.kernels.ops)
     return Report(str(bundle), device.mode, device.name, tol, case_reports, meta, time.time() - t0, device.exact_status,
-                  integrity, problems, judged)
+                  integrity, problems, judged, kernels=kernels_of(device.kernels))
+
+
+def name_kernel_ops(bundle: Path, cases: list[CaseReport], ops) -> None:
+    """Each failing case: which of the backend's ``ops`` ran where it first failed."""
+    text = load_config(bundle).text
+    for c in cases:
+        if c.first_failure is not None:
+            c.kernel_ops = ops_behind(c.first_failure.tap, c.first_failure.mode, text, ops)
 
 
 def check_unchanged(judged: dict, now: dict) -> None:
