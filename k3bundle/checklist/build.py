@@ -13,6 +13,7 @@ from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.kernels import Kernel, kernel_coverage
 from k3bundle.checklist.op_reports import op_status, read_kernel_report
 from k3bundle.checklist.roofline import Roofline, roofline
+from k3bundle.checklist.serving import Serving, apply_to_layout, cache_manifest
 from k3bundle.checklist.stages import Stage, evaluate_stages
 from k3bundle.config import load_config, release_config_path
 from k3bundle.errors import JsonFileError
@@ -95,7 +96,7 @@ def _bundle_graph(bundle: Path) -> dict | None:
 
 def make_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
                    context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH, verify_level: str = "sample",
-                   verify_seed: int = 0) -> Checklist:
+                   verify_seed: int = 0, serving: Serving | None = None) -> Checklist:
     """The bring-up checklist of ``target``, from a config (default: the released K3) or a bundle.
 
     Args:
@@ -109,6 +110,9 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
             (``check.verify.LEVELS``): ``sample`` (default) re-hashes the metadata and a seeded
             sample of the weight files, ``full`` every file, ``manifest`` none (sizes only).
         verify_seed (`int`): the sample's seed.
+        serving (`Serving`, optional): the engine's settings (``--kv-cache-dtype``,
+            ``--gpu-memory-utilization``, ``--attention-dp``, prefix-cache policy, link); default
+            a BF16 latent and the layout as written.
 
     Example:
         >>> make_checklist("b300-tp8").capacity.tokens_fit
@@ -118,7 +122,10 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
     if context < 1 or batch < 1:
         raise ChecklistError(f"--context ({context}) and --batch ({batch}) must be positive")
-    layout = load_layout(target)
+    serving = serving or Serving()
+    serving.check()
+    written = load_layout(target)
+    layout = apply_to_layout(written, serving)
     bdir = Path(bundle) if bundle is not None else None
     if bdir is not None:
         if not (bdir / CONFIG).is_file():
@@ -136,9 +143,14 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         cfg_path = bdir / CONFIG
     else:
         cfg_path = Path(config) if config is not None else release_config_path()
+    if bdir is not None and layout.parallel != written.parallel:
+        raise ChecklistError(f"--attention-dp {serving.attention_dp}: {bdir} was converted for attention_dp "
+                             f"{written.parallel.attention_dp}; its weights are placed for that split")
     plan = make_plan(load_config(cfg_path), layout)
-    manifest = (_bundle_graph(bdir) if bdir is not None else None) or graph_manifest(plan)
-    cap = capacity(plan, manifest, context, batch)
+    t = plan.config.text
+    manifest = cache_manifest((_bundle_graph(bdir) if bdir is not None else None) or graph_manifest(plan),
+                              t.kv_lora_rank, t.qk_rope_head_dim, serving)
+    cap = capacity(plan, manifest, context, batch, serving)
     roof = roofline(plan, manifest, context, batch)
 
     def bounds(b: int, n: int) -> tuple[float, float]:

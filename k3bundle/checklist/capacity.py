@@ -1,29 +1,38 @@
 """Capacity: weights per rank (from the plan), cache per token and per request, what fits, margin.
 
-Per rank, for the rank with the most weight bytes in each pipeline stage:
+Per rank, for the rank with the most weight bytes in each pipeline stage, with the engine's
+settings (``serving.Serving``: the layout and graph manifest it is given are already the engine's,
+``serving.apply_to_layout`` and ``serving.cache_manifest``):
 
 * ``usable = card.hbm_bytes − memory.runtime_reserve_bytes`` (the layout's reserve covers
-  activations, graphs and communication buffers);
+  activations, graphs and communication buffers; ``--gpu-memory-utilization F`` replaces it by
+  ``hbm − floor(F × hbm)``, vLLM's share of the card the engine may use, weights included);
 * ``free = usable − weights`` (weights from ``Plan.rank_bytes``, in their stored formats);
-* MLA latent per token = ``n_mla(stage) × (kv_lora_rank + qk_rope_head_dim) × 2 B``, the whole
-  latent on every TP rank (docs/kimi-k3.md §5.3: replicated unless decode context parallelism); attention
-  data parallelism does not shrink it, it multiplies the replicas that hold different tokens;
+* MLA latent per token = ``n_mla(stage) × latent per layer`` in the ``--kv-cache-dtype`` format
+  (bf16: ``(kv_lora_rank + qk_rope_head_dim) × 2 B``; ``k3bundle/data/kv_cache_dtypes.yaml``), the
+  whole latent on every attention-TP rank (docs/kimi-k3.md §5.3: replicated unless decode context
+  parallelism); attention data parallelism does not shrink it, it multiplies the replicas that hold
+  different requests;
 * KDA state per request = ``n_kda(stage) × (recurrent FP32 [H, d, d] + conv BF16 3 × [kc−1, H·d]) / tp`` (the conv
   state in the op contract's notation, ``[W-1, P]`` once each for q, k and v)
-  (heads are split by TP);
+  (heads are split by attention TP);
 * a request of ``context`` tokens costs ``context × latent + state`` on each rank that serves it;
   an attention-DP replica serves ``ceil(batch / attention_dp)`` of the batch.
 
 Margin = ``(free − cache for the batch) / usable``, the share of the memory the model may use
 that is left unused; capacity fails below ``CAPACITY_MARGIN``. The per-layer cache bytes come
-from ``graph_manifest`` (``k3bundle.bundle.graph``), the same numbers a bundle ships.
+from ``graph_manifest`` (``k3bundle.bundle.graph``), the same numbers a bundle ships, with the
+latent in the engine's cache dtype. The prefix-cache and prefill/decode handoff budgets are
+``cache_budget``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3bundle.checklist.cache_budget import handoff, prefix_cache
 from k3bundle.checklist.quantity import Quantity, ceil_div, floor_div, gb
+from k3bundle.checklist.serving import Serving
 from k3bundle.plan import Plan
 
 CAPACITY_MARGIN = 0.10  # design.md "Bring-up checklist": margin >= 10%
@@ -72,17 +81,22 @@ class Capacity:
     margin: float
     passed: bool
     verdict: str
+    serving: Serving = field(default_factory=Serving)
     quantities: list[Quantity] = field(default_factory=list)
+    prefix_cache: list[Quantity] = field(default_factory=list)  # cache_budget.prefix_cache
+    handoff: list[Quantity] = field(default_factory=list)  # cache_budget.handoff
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "verdict": self.verdict, "margin": self.margin,
+        return {"passed": self.passed, "verdict": self.verdict, "margin": self.margin, "serving": self.serving.to_dict(),
                 "margin_limit": CAPACITY_MARGIN, "weights_fit": self.weights_fit,
                 "context": self.context, "batch": self.batch, "hbm_bytes": self.hbm,
                 "runtime_reserve_bytes": self.reserve, "usable_bytes": self.usable,
                 "tokens_fit": self.tokens_fit, "concurrency": self.concurrency,
                 "concurrency_at_margin": self.concurrency_at_margin, "limiting_stage": self.limiting.stage,
                 "stages": [s.to_dict() for s in self.stages],
-                "quantities": [q.to_dict() for q in self.quantities]}
+                "quantities": [q.to_dict() for q in self.quantities],
+                "prefix_cache": [q.to_dict() for q in self.prefix_cache],
+                "handoff": [q.to_dict() for q in self.handoff]}
 
 
 def _stage(plan: Plan, manifest: dict, stage: int, context: int, per_replica_batch: int) -> StageCapacity:
@@ -104,15 +118,20 @@ def _stage(plan: Plan, manifest: dict, stage: int, context: int, per_replica_bat
         batch_bytes=batch_bytes, margin=(free - batch_bytes) / usable)
 
 
-def capacity(plan: Plan, manifest: dict, context: int, batch: int) -> Capacity:
+def capacity(plan: Plan, manifest: dict, context: int, batch: int, serving: Serving | None = None) -> Capacity:
     """Capacity of ``plan`` for ``batch`` requests of ``context`` tokens.
 
     Args:
-        plan (`Plan`): the target's plan (``k3bundle.plan.make_plan``).
-        manifest (`dict`): its ``graph_manifest`` (state schema per rank).
+        plan (`Plan`): the target's plan (``k3bundle.plan.make_plan``) under the engine's layout
+            (``serving.apply_to_layout``).
+        manifest (`dict`): its ``graph_manifest`` (state schema per rank), the latent in the
+            engine's cache dtype (``serving.cache_manifest``).
         context (`int`): tokens per request (prompt + output) the cache must hold.
         batch (`int`): concurrent requests, over the whole deployment.
+        serving (`Serving`, optional): the engine options, for the formulas and the prefix-cache
+            and handoff budgets; default BF16 latent and the layout's reserve.
     """
+    serving = serving or Serving()
     lay, par = plan.layout, plan.layout.parallel
     dp = par.attention_dp
     per_replica = ceil_div(batch, dp)
@@ -135,7 +154,7 @@ def capacity(plan: Plan, manifest: dict, context: int, batch: int) -> Capacity:
                   if worst_w.weights > card.hbm_bytes else "")
         verdict = (f"FAIL: the weights alone do not fit: rank {worst_w.rank} needs {gb(worst_w.weights)} of weights "
                    f"but each {card.name} leaves {gb(usable)} (HBM {gb(card.hbm_bytes)} − runtime reserve "
-                   f"{gb(lay.runtime_reserve_bytes)}): {gb(over)} over, {over / usable:.1%} of the usable memory"
+                   f"{gb(lay.runtime_reserve_bytes)}{_reserve_why(serving)}): {gb(over)} over, {over / usable:.1%} of the usable memory"
                    f"{beyond}. More cards, higher TP/EP/PP degrees or a smaller storage format are needed.")
     elif margin < CAPACITY_MARGIN:
         need = int(CAPACITY_MARGIN * usable)
@@ -151,9 +170,27 @@ def capacity(plan: Plan, manifest: dict, context: int, batch: int) -> Capacity:
                    f"weights + {gb(lim.batch_bytes)} of cache and state for {req}, leaving "
                    f"{gb(lim.free - lim.batch_bytes)} of {gb(usable)} usable.")
     cap = Capacity(lay.name, card.name, card.hbm_bytes, lay.runtime_reserve_bytes, usable, context, batch, par.tp,
-                   dp, stages, lim, weights_fit, tokens_fit, concurrency, at_margin, margin, passed, verdict)
+                   dp, stages, lim, weights_fit, tokens_fit, concurrency, at_margin, margin, passed, verdict, serving)
     cap.quantities = _quantities(plan, manifest, cap)
+    st = manifest["state_schema"]
+    state_layer = sum(v["bytes"] for v in st["kda"]["per_layer_per_request"].values())
+    latent_layer = st["mla"]["per_layer_per_token"]["latent"]["bytes"]
+    cap.prefix_cache = prefix_cache(lim, state_layer, latent_layer, par.tp, dp, context, batch, serving)
+    cap.handoff = handoff(stages, len(st["kda"]["layers"]), len(st["mla"]["layers"]), state_layer, latent_layer,
+                          context, serving)
     return cap
+
+
+def _reserve_why(s: Serving) -> str:
+    f = s.gpu_memory_utilization
+    return "" if f is None else f", from --gpu-memory-utilization {f:g}"
+
+
+def _latent(lat: dict, s: Serving) -> str:
+    """One layer's latent per token in words: the cache dtype and its bytes written out."""
+    if "formula" in lat:  # serving.cache_manifest
+        return f"--kv-cache-dtype {s.kv_cache_dtype}: {lat['formula']}"
+    return f"(kv_lora_rank + qk_rope_head_dim) × 2 B = {lat['values']} × 2"
 
 
 def _conv_shape(shape: list[int]) -> str:
@@ -183,7 +220,7 @@ def _quantities(plan: Plan, manifest: dict, c: Capacity) -> list[Quantity]:
 
     q = [
         Quantity("hbm_bytes", "HBM per card", c.hbm, "B", "layout card.hbm_bytes"),
-        Quantity("runtime_reserve_bytes", "runtime reserve", c.reserve, "B", "layout memory.runtime_reserve_bytes"),
+        Quantity("runtime_reserve_bytes", "runtime reserve", c.reserve, "B", c.serving.reserve_formula(c.hbm, c.reserve)),
         Quantity("usable_bytes", "usable per card", c.usable, "B",
                  f"hbm − reserve = {c.hbm:,} − {c.reserve:,}"),
         Quantity("weights_bytes_per_rank", f"weights per rank{where}", s.weights, "B",
@@ -191,7 +228,7 @@ def _quantities(plan: Plan, manifest: dict, c: Capacity) -> list[Quantity]:
         Quantity("free_bytes_per_rank", "free for cache and state", s.free, "B",
                  f"usable − weights = {c.usable:,} − {s.weights:,}"),
         Quantity("mla_latent_bytes_per_token", "MLA latent per token per rank", s.latent_per_token, "B/token",
-                 f"n_mla × (kv_lora_rank + qk_rope_head_dim) × 2 B = {s.mla_layers} × {lat['values']} × 2; "
+                 f"n_mla × latent per layer ({_latent(lat, c.serving)}) = {s.mla_layers} × {lat['bytes']:,}; "
                  + latent_note),
         Quantity("kda_state_bytes_per_request_total", "KDA state per request (all heads)",
                  s.kda_layers * (rec["bytes"] + conv["bytes"]), "B/request",

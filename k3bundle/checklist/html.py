@@ -12,6 +12,7 @@ from k3bundle.checklist.capacity import CAPACITY_MARGIN
 from k3bundle.checklist.conformance import kernel_conformance
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
+from k3bundle.checklist.render import engine_lines
 from k3bundle.checklist.roofline import Phase
 from k3bundle.checklist.stages import read_signoff
 from k3bundle.file_names import GRAPH_MANIFEST, SIGNOFF, SOAK_REPORT
@@ -132,7 +133,9 @@ def to_html(cl: Checklist) -> str:
         "<h2 id='stages'>Stages (sign-off order)</h2>", _stages(cl),
         "<h2 id='capacity'>1. Capacity</h2>",
         f"<div class='callout{' ok' if cap.passed else ''}'>{esc(cap.verdict)}</div>", capacity_chart(cl),
-        _quantities(cap.quantities),
+        _quantities(cap.quantities), f"<p class='muted'>{esc(engine_lines(cap)[0].replace('`', ''))}</p>",
+        "<h3>Prefix cache: KDA snapshots beside the latent</h3>", _quantities(cap.prefix_cache),
+        "<h3>Prefill/decode handoff</h3>", _quantities(cap.handoff),
         "<h2 id='roofline'>2. Roofline lower bounds</h2>",
         f"<p class='muted'>Decode GEMMs: {roof.gemm_flops_per_token:,.0f} FLOP per token (the schema's active "
         f"parameters: {roof.active_params:,}). Communication, norms, AttnRes and launch overheads are left out, so "

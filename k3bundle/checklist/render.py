@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from k3bundle.checklist.build import Checklist
-from k3bundle.checklist.capacity import CAPACITY_MARGIN
+from k3bundle.checklist.capacity import CAPACITY_MARGIN, Capacity
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
 from k3bundle.checklist.roofline import Phase
@@ -21,6 +21,16 @@ def _table(rows: list[Quantity]) -> list[str]:
     out = ["| quantity | value | formula |", "|---|---|---|"]
     out += [f"| {_cell(q.label)} | **{_cell(q.text)}** | {_cell(q.formula)} |" for q in rows]
     return out
+
+
+def engine_lines(cap: Capacity) -> list[str]:
+    """The engine settings the capacity numbers assume, as the engine's flags say them."""
+    s = cap.serving
+    f = s.gpu_memory_utilization
+    return [f"Engine settings: `--kv-cache-dtype {s.kv_cache_dtype}` ({s.dtype.layout}; {s.dtype.engines}); "
+            + (f"`--gpu-memory-utilization {f:g}` (the engine may use {f:g} × HBM, weights included)" if f is not None
+               else "the layout's runtime reserve") + f"; attention_dp {cap.attention_dp} × attention TP {cap.tp}; "
+            f"MLA pages of {s.page_tokens} tokens; handoff link {s.link_gbps:g} Gbit/s per rank."]
 
 
 def _next(step: str) -> str:
@@ -82,6 +92,9 @@ def to_markdown(cl: Checklist) -> str:
                   f"{s.requests_fit:,} | {s.margin:.1%} |" for s in cap.stages]
         lines += ["", f"Tokens and requests that fit are the smallest over the stages × attention_dp; the margin is "
                       f"the smallest stage's (limit {CAPACITY_MARGIN:.0%})."]
+    lines += ["", *engine_lines(cap), ""]
+    lines += ["### Prefix cache: KDA snapshots beside the latent", ""] + _table(cap.prefix_cache)
+    lines += ["", "### Prefill/decode handoff", ""] + _table(cap.handoff)
     lines += ["", "## 2. Roofline lower bounds", "",
               "Per pipeline stage, t_s ≥ max(max(bytes_s / ranks_s, busiest rank's bytes_s) / HBM bandwidth, "
               "Σ_p FLOPs_s,p / (ranks_s × peak_p)). One stage: that is the bound. Several: decode is bounded by the "
