@@ -59,6 +59,8 @@ def test_the_published_figure_is_reproduced_within_ten_percent(published):
     # today's figure, beside it: BF16 latent and the layout's 40 GB reserve
     assert (HBM - 40_000_000_000 - WEIGHTS) // (N_MLA * 576 * 2) == HAND["tokens_fit"] == 1_136_140
     assert "gpu_memory_utilization × hbm" in _q_formula(c.quantities, "runtime_reserve_bytes")
+    # the roofline reads the same latent: a decode step at 131,072 tokens reads 8 ranks × 13,824 B a token
+    assert _q(published.roofline.decode.bytes, "decode_bytes_latent") == 131_072 * 13_824 * 8
 
 
 def _q_formula(rows, key):
