@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -108,3 +109,20 @@ def test_layer_major_schedule_writes_the_same_goldens_in_one_pass_per_forward(ti
     # golden, its BF16 replay and the BF16 teacher-forced pass: prefill and steps - 1 decodes each
     passes = 3 * max(c["steps"] for c in ok)
     assert len(reads) <= passes * n_layers < by_case / 2, (len(reads), by_case)
+
+
+def test_cli_golden_prints_a_line_per_stage_where_stderr_is_not_a_terminal(tmp_path, tiny_trained_ckpt, small_cases):
+    """stderr a pipe (a log, CI): each case run reads as a start and a done line, numbered among
+    the cases, then the writing of the files; the case that cannot run has none."""
+    r = run_cli("golden", str(tiny_trained_ckpt), "--out", str(tmp_path / "g"), "--cases", str(small_cases),
+                "--long-tokens", "256", "--no-noise", "--schedule", "case")
+    assert r.returncode == 0, r.stderr
+    listed = [c["name"] for c in read_meta(read_npz(tmp_path / "g" / "golden_intermediates.npz"))["cases"]]
+    assert set(listed) == {"greedy", "thinking", "long_context", "image"}
+    want = []
+    for i, name in enumerate(listed, 1):
+        if name != "image":
+            want += [f"golden: case {name} {i}/4 ...", f"golden: case {name} {i}/4 done S s"]
+    want += ["golden: writing the goldens ...", "golden: writing the goldens done S s"]
+    got = [re.sub(r"done \d+\.\d s$", "done S s", l) for l in r.stderr.splitlines() if l.startswith("golden: ")]
+    assert got == want, r.stderr

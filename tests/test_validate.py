@@ -4,6 +4,7 @@ caught and located; dumps are judged; bad dumps are rejected with exit 2."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import shutil
 from pathlib import Path
@@ -314,6 +315,26 @@ def test_a_failing_tap_of_no_layer_reads_as_the_model_output_and_no_report_says_
     assert "model output, <code>step_logits</code> (distribution)" in html
     for text in (r.stdout, r.stderr, md, html):
         assert not re.search(r"\bNone\b", text), re.search(r".{0,80}\bNone\b.{0,80}", text).group(0)
+
+
+def test_validate_prints_a_line_per_case_where_stderr_is_not_a_terminal(work, tmp_path):
+    """stderr a pipe (a log, CI): each case the run judges reads as a start and a done line, in
+    order and numbered among the goldens' cases; a case left out or not runnable has none; with
+    --json nothing of the kind is printed."""
+    listed = [c["name"] for c in read_meta(read_npz(work["golden"] / "golden_intermediates.npz"))["cases"]]
+    assert set(listed) == {"greedy", "long_context", "image"}  # image is listed, and cannot run
+    r = run_cli("validate", str(work["tiny-tp2"]), "--cases", "greedy,long_context", "--out", str(tmp_path / "r"),
+                env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("validate: ")]
+    n, at = len(listed), {name: listed.index(name) + 1 for name in listed}
+    assert [re.sub(r"done \d+\.\d s$", "done S s", l) for l in lines] == [
+        f"validate: case greedy {at['greedy']}/{n} ...", f"validate: case greedy {at['greedy']}/{n} done S s",
+        f"validate: case long_context {at['long_context']}/{n} ...",
+        f"validate: case long_context {at['long_context']}/{n} done S s"], r.stderr
+    quiet = run_cli("validate", str(work["tiny-tp2"]), "--cases", "greedy", "--json", "--out", str(tmp_path / "q"),
+                    env={"OMP_NUM_THREADS": "1"})
+    assert quiet.returncode == 0 and "validate: " not in quiet.stderr, quiet.stderr
 
 
 def test_fast_form_goldens_pass_against_readable_form_goldens(work, tmp_path):

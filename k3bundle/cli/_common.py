@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,10 +45,21 @@ def exit_with(code: int) -> None:
 
 
 @contextmanager
-def progress_bar(description: str, enabled: bool = True):
-    """A rich progress bar on stderr; yields ``update(done, total, label)``."""
-    if not enabled or not sys.stderr.isatty():
+def progress_bar(description: str, enabled: bool = True, stages: bool = False):
+    """Progress on stderr; yields ``update(done, total, label)``. On a terminal, a rich bar. Where
+    stderr is not a terminal (a log, CI) and ``stages`` is set — each label names the stage that
+    starts now, ``done`` counts the stages finished — one plain line as a stage starts and one as
+    it ends (``StageLines``): a long run says what it is doing without a terminal to redraw."""
+    if not enabled:
         yield lambda done, total, label="": None
+        return
+    if not sys.stderr.isatty():
+        if not stages:
+            yield lambda done, total, label="": None
+            return
+        lines = StageLines(description, sys.stderr)
+        yield lines.update
+        lines.end()  # not reached when the block raises: its error is the last line, no "done" before it
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.console import Console
@@ -57,10 +69,39 @@ def progress_bar(description: str, enabled: bool = True):
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=None, label="")
 
-        def update(done: int, total: int, label: str = "") -> None:
+        def update(done: int, total: int | None, label: str = "") -> None:
             bar.update(task, completed=done, total=total, label=label)
 
         yield update
+
+
+class StageLines:
+    """``progress_bar``'s lines where stderr is not a terminal: ``validate: case greedy 2/4 ...`` as
+    a stage starts, ``validate: case greedy 2/4 done 3.1 s`` as the next one starts or the run
+    ends. A stage of no count (``total`` None) reads without ``N/M``."""
+
+    def __init__(self, description: str, stream, clock: Callable[[], float] = time.monotonic):
+        self.description, self.stream, self.clock = description, stream, clock
+        self.current: str | None = None  # the stage under way, as its lines name it
+        self.started = 0.0
+
+    def update(self, done: int, total: int | None, label: str = "") -> None:
+        name = None if not label else label if not total else f"{label} {min(done + 1, total)}/{total}"
+        if name == self.current:
+            return
+        self.end()
+        if name is not None:
+            self.current, self.started = name, self.clock()
+            self._write(f"{name} ...")
+
+    def end(self) -> None:
+        if self.current is not None:
+            self._write(f"{self.current} done {self.clock() - self.started:.1f} s")
+            self.current = None
+
+    def _write(self, text: str) -> None:
+        self.stream.write(f"{self.description}: {text}\n")
+        self.stream.flush()
 
 
 @contextmanager

@@ -43,7 +43,7 @@ def golden(
         raise typer.BadParameter(f"--forms must be fast or readable, got {forms!r}")
     if dtype not in ("float32", "float64"):
         raise typer.BadParameter(f"--dtype must be float32 or float64 for goldens, got {dtype!r}")
-    with progress_bar("golden", enabled=not json_) as update:
+    with progress_bar("golden", enabled=not json_, stages=True) as update:
         r = generate_goldens(source, out=out, cases_dir=cases, dtype=dtype, device=device,
                              tolerance=tolerances, long_tokens=long_tokens, seed=seed, noise=noise,
                              progress=update, forms=forms, schedule=schedule)

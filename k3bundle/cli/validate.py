@@ -50,7 +50,7 @@ def validate(
         with sigterm_raises(lambda: Terminated("stopped by SIGTERM; no verdict written: rerun validate")):
             dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
                               rank_results=rank_results, backend=backend)
-            with progress_bar("validate", enabled=not json_) as update:
+            with progress_bar("validate", enabled=not json_, stages=True) as update:
                 rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
                                    cases=[n for c in cases or () for n in c.split(",") if n])
             rep.backend, rep.run_id = backend, run_id

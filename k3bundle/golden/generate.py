@@ -144,7 +144,7 @@ def _write_goldens(out: Path, inter: dict, inputs: dict, tolerances: bytes) -> N
 def generate_goldens(source: str | Path, out: str | Path | None = None, cases_dir: str | Path | None = None,
                      dtype: str = "float32", device: str = "cpu", tolerance: str = "bf16",
                      long_tokens: int | None = None, seed: int = 0, noise: bool = True,
-                     progress: Callable[[int, int, str], None] | None = None, forms: str = "fast",
+                     progress: Callable[[int, int | None, str], None] | None = None, forms: str = "fast",
                      schedule: str = "auto") -> GoldenResult:
     """Write the golden files for ``source`` (a checkpoint or a bundle directory) into ``out``.
 
@@ -192,19 +192,19 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     together = {}
     if schedule == "layer" and built:
         if progress:
-            progress(0, len(cases), "all cases, layer-major")
+            progress(0, None, "all cases, layer-major")
         t0 = time.perf_counter()
         runnable = [(c, built[c.name]) for c in cases if c.runnable]
         together = dict(zip(built, all_case_arrays(weights, bf16, runnable, forms)))
         seconds["all"] = round(time.perf_counter() - t0, 3)
     for i, case in enumerate(cases):
-        if progress and schedule == "case":
-            progress(i, len(cases), case.name)
         entry = {"name": case.name, "kind": case.kind, "description": case.description,
                  "steps": case.steps, "source": Path(case.source).name}
         if not case.runnable:
             summary.append({**entry, "status": "not run", "reason": case.not_run_reason})
             continue
+        if progress and schedule == "case":  # a stage per case run (one that cannot run takes no time)
+            progress(i, len(cases), f"case {case.name}")
         ids = built[case.name]
         t0 = time.perf_counter()
         if case.name in together:
@@ -225,6 +225,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
                         "all_positions": bool(case.taps.all or arrays["positions"].size == len(ids))})
     if progress:
         progress(len(cases), len(cases), "")
+        progress(len(cases), None, "writing the goldens")
 
     digest = content_hash(inter)
     meta = {"schema_version": 1, "k3bundle_version": __version__, "seed": seed, "dtype": dtype,

@@ -88,6 +88,7 @@ class Device(ABC):
     mode = "device"  # "device" (the built-in executor) or "dumps" (an external runtime)
     exact_status = "not run: only the built-in device in one process runs it"
     kernels = None  # the backend whose ops it runs (``ops.contract.Backend``); None: the reference's
+    runs_cases_in_prepare = False  # True where ``prepare`` runs every case (progress names it a stage)
 
     def __init__(self, name: str):
         self.name = name  # for the report: cpu, cuda, 2 ranks on cuda, ...

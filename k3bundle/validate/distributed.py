@@ -40,6 +40,7 @@ class Distributed(Device):
         self.device, self.nproc = device, world
         self.backend = backend  # every rank's executor runs this backend's kernels (None: the reference)
         self.results_dir = None if results is None else Path(results)  # a worker run made elsewhere
+        self.runs_cases_in_prepare = self.results_dir is None  # one torchrun of every rank runs every case
         self.results: dict[str, tuple[dict, dict | None]] = {}
 
     def prepare(self, validation: Path, cases: list[str]) -> None:

@@ -269,7 +269,7 @@ def select_cases(listed: list[dict], names: Sequence[str] | None) -> list[dict]:
 
 
 def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
-             progress: Callable[[int, int, str], None] | None = None, verify_level: str = "sample",
+             progress: Callable[[int, int | None, str], None] | None = None, verify_level: str = "sample",
              verify_seed: int = 0, cases: Sequence[str] | None = None) -> Report:
     """Judge ``device`` (``validate.device_options.open_device``) against the goldens of ``bundle``.
 
@@ -294,17 +294,19 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
     chosen = {e["name"] for e in select_cases(listed, cases)}
     ran = [e["name"] for e in listed if e.get("status") == "ok" and e["name"] in chosen]
     device.check({n: _case_arrays(inter, n) for n in ran})  # bad input first, all of it at once
+    if progress and device.runs_cases_in_prepare:
+        progress(0, None, f"running the cases on {device.name}")
     device.prepare(vdir, ran)
     case_reports = []
     for i, entry in enumerate(listed):
-        if progress:
-            progress(i, len(listed), entry["name"])
         if entry["name"] not in chosen:
             case_reports.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", "not selected (--cases)"))
             continue
         if entry.get("status") != "ok":
             case_reports.append(CaseReport(entry["name"], entry.get("kind", ""), "not run", entry.get("reason", "")))
             continue
+        if progress:  # a stage per case the device runs (the others take no time)
+            progress(i, len(listed), f"case {entry['name']}")
         t_case = time.time()
         golden = _case_arrays(inter, entry["name"])
         out = device.case(entry["name"], golden, inputs[f"{entry['name']}/ids"])
