@@ -21,14 +21,14 @@ from k3bundle.provenance.verify import verify
 from k3bundle.checklist import write_checklist
 from k3bundle.convert import convert
 from k3bundle.errors import K3Error
-from k3bundle.file_names import (CHECKLIST, GOLDEN_INPUTS, MANIFEST, REPORTS_DIR, SIGNOFF_NAMES, SOURCE_RECORD,
-                                  VALIDATION_DIR)
+from k3bundle.file_names import (CHECKLIST, GOLDEN_INPUTS, MANIFEST, SIGNOFF_NAMES, SOURCE_RECORD, VALIDATION_DIR,
+                                  signoff_run_dir)
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.plan.report import plan_from
 from k3bundle.pull import pull
 from k3bundle.synth import write_synthetic
 from k3bundle.tokenizer import load_tiktoken
-from k3bundle.validate.report import write_reports
+from k3bundle.validate.report import discard_reports, publish_reports, run_key, start_run
 from k3bundle.validate.run import validate
 from k3bundle.validate.device_options import open_device
 
@@ -100,11 +100,16 @@ def run_demo(out: str | Path, long_tokens: int = 1024, force: bool = False,
     step("golden", bundle / VALIDATION_DIR, _golden)
 
     def _validate():
-        rep = validate(bundle, open_device(bundle, device=device))
-        files = write_reports(rep, bundle / REPORTS_DIR)
+        run = start_run(bundle, device=device)
+        try:
+            rep = validate(bundle, open_device(bundle, device=device))
+            files = publish_reports(rep, run, bundle)
+        except BaseException:
+            discard_reports(run.reports)  # as validate's command: no verdict outlives a failed run
+            raise
         res.passed = rep.passed
         return ("PASS" if rep.passed else "FAIL") + f" ({files[1].name})"
 
-    step("validate", bundle / REPORTS_DIR / SIGNOFF_NAMES[1], _validate)
+    step("validate", bundle / signoff_run_dir(run_key(device)) / SIGNOFF_NAMES[1], _validate)
     step("checklist", bundle / CHECKLIST, lambda: write_checklist(TARGET, bundle=bundle, out=bundle / CHECKLIST))
     return res

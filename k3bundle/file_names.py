@@ -26,15 +26,36 @@ GOLDEN_INPUTS = "golden_inputs.npz"
 GOLDEN_INTERMEDIATES = "golden_intermediates.npz"
 GOLDEN_TOLERANCES = "tolerances.yaml"  # the tolerance set the goldens were made with, copied
 GOLDEN_FILES = (GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES)
-# ``validate``, before it judges: the run judging these goldens now; the sign-off names the same run
-# (``bundle.signoff``). Beside the goldens rather than in reports/, so that a reports/ folder that
-# cannot be written cannot keep an earlier sign-off ticking either.
-VALIDATE_RUN = f"{VALIDATION_DIR}/.k3bundle-validate.run"
+
+
+def validate_run_marker(run_key: str) -> str:
+    """``validate``, before it judges: the run of this run key judging these goldens now; its
+    sign-off names the same run (``bundle.signoff``). Beside the goldens rather than in reports/,
+    so that a reports/ folder that cannot be written cannot keep an earlier sign-off ticking
+    either. One marker per run key, so that runs of different keys never unbind each other."""
+    return f"{VALIDATION_DIR}/.k3bundle-validate.{run_key}.run"
+
 
 REPORTS_DIR = "reports"
 SIGNOFF_NAME = "signoff.json"  # ``validate``: the sign-off, beside .md and .html of the same stem
 SIGNOFF_NAMES = (SIGNOFF_NAME, "signoff.md", "signoff.html")
-SIGNOFF = f"{REPORTS_DIR}/{SIGNOFF_NAME}"
+# ``validate`` into a bundle keeps one folder of sign-off reports per run key (what was validated:
+# ``bundle.signoff.run_key``), so that a built-in, a dumps and a backend run keep their own.
+SIGNOFF_RUNS_DIR = f"{REPORTS_DIR}/validate"
+# ``{"run_key": ...}``: the run that wrote its reports last, replaced atomically after they are written
+SIGNOFF_LATEST = f"{SIGNOFF_RUNS_DIR}/latest.json"
+
+
+def signoff_run_dir(run_key: str) -> str:
+    """The folder of the sign-off reports of run key ``run_key``: ``reports/validate/KEY``."""
+    return f"{SIGNOFF_RUNS_DIR}/{run_key}"
+
+
+def signoff_path(run_key: str) -> str:
+    """``reports/validate/KEY/signoff.json``."""
+    return f"{signoff_run_dir(run_key)}/{SIGNOFF_NAME}"
+
+
 KERNELS_STEM = "kernels"  # ``kernels --out BUNDLE/reports``: kernels.md, .json, .html
 KERNELS_REPORT = f"{REPORTS_DIR}/{KERNELS_STEM}.json"
 PERFORMANCE_REPORT = f"{REPORTS_DIR}/performance.json"  # the bring-up team's evidence (docs/bring-up.md)

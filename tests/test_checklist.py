@@ -228,7 +228,7 @@ def _fake_goldens(bundle: Path, cases: list[dict]) -> str:
 
 
 def _write(bundle: Path, rel: str, doc: dict) -> None:
-    (bundle / rel).parent.mkdir(exist_ok=True)
+    (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
     (bundle / rel).write_text(json.dumps(doc))
 
 
@@ -248,7 +248,7 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
     digest = _fake_goldens(b, cases)
     st = _stages(b)
     assert st["golden"].done and f"{len(cases)} of {len(cases)} cases computed" in st["golden"].evidence
-    assert not st["per_layer_numerics"].done and st["per_layer_numerics"].missing == "no reports/signoff.json"
+    assert not st["per_layer_numerics"].done and st["per_layer_numerics"].missing == "no sign-off in reports/validate/"
 
     def case(kind, status="pass", layer_ok=True):
         return {"name": kind, "kind": kind, "status": status, "layer_checks": "ran", "results": [
@@ -263,18 +263,18 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
                "tolerances_sha256": sha256(b / "validation" / "tolerances.yaml"),
                "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": False,
                "cases": [case(k) for k in REQUIRED_CASE_KINDS[:-1]] + [case("image", "fail", layer_ok=False)]}
-    _write(b, "reports/signoff.json", signoff)
+    _write(b, "reports/validate/dumps-x/signoff.json", signoff)
     st = _stages(b)
     assert not st["per_layer_numerics"].done and "first layer 3 `layer.mixer_out`" in st["per_layer_numerics"].missing
     assert not st["end_to_end"].done and "image: FAIL" in st["end_to_end"].missing
 
     signoff["cases"][-1] = case("image")
     signoff["golden_content_hash"] = "cd" * 32
-    _write(b, "reports/signoff.json", signoff)
+    _write(b, "reports/validate/dumps-x/signoff.json", signoff)
     assert "stale" in _stages(b)["end_to_end"].missing  # judged other goldens
 
     signoff["golden_content_hash"] = digest
-    _write(b, "reports/signoff.json", signoff)
+    _write(b, "reports/validate/dumps-x/signoff.json", signoff)
     st = _stages(b)
     assert st["per_layer_numerics"].done and st["end_to_end"].done and not st["signoff"].done
 

@@ -78,7 +78,7 @@ def test_an_index_pointing_outside_the_bundle_is_refused_by_verify_golden_and_va
         assert r.returncode == 2, (argv, r.returncode, r.stderr)
         assert "'..' component escapes" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert r.stderr.strip().count("\n") == 0, (argv, r.stderr)
-    assert not (tmp_path / "g").exists() and not (b / "reports" / "signoff.json").exists()
+    assert not (tmp_path / "g").exists() and not (b / "reports" / "validate" / "builtin-cpu" / "signoff.json").exists()
 
 
 def test_a_manifest_listing_a_path_outside_the_bundle_is_refused(bundle, tmp_path):
@@ -113,14 +113,15 @@ def test_validate_against_goldens_of_another_model_width_is_one_line(bundle, tin
     r = run_cli("validate", str(b))
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert "the goldens are of another model: case 'greedy' has embed of width 128" in r.stderr
-    assert "hidden_size 256" in r.stderr and not (b / "reports" / "signoff.json").exists()
+    assert "hidden_size 256" in r.stderr and not (b / "reports" / "validate" / "builtin-cpu" / "signoff.json").exists()
 
 
 def test_checklist_on_a_signoff_whose_cases_are_not_case_reports_names_them(bundle, tmp_path):
     b = tmp_path / "b"
     shutil.copytree(bundle["bundle"], b, ignore=shutil.ignore_patterns("*.safetensors"))
-    (b / "reports").mkdir()
-    (b / "reports" / "signoff.json").write_text(json.dumps({"schema_version": 1, "passed": True, "cases": [1]}))
+    (b / "reports" / "validate" / "builtin-cpu").mkdir(parents=True)
+    (b / "reports" / "validate" / "builtin-cpu" / "signoff.json").write_text(
+        json.dumps({"schema_version": 1, "passed": True, "cases": [1]}))
     r = run_cli("checklist", "--target", str(TINY_TP2), "--bundle", str(b), "--verify", "manifest", "--json")
     assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr
     stages = {s["title"]: s for s in json.loads(r.stdout)["stages"]}

@@ -67,7 +67,7 @@ def test_an_empty_goldens_file_is_an_error_not_an_abort(tiny_ckpt, tmp_path):
 
 
 def test_a_failed_validate_removes_an_earlier_pass_report(tmp_path):
-    reports = tmp_path / "b" / "reports"
+    reports = tmp_path / "b" / "reports" / "validate" / "dumps-dumps.txt"  # the run key of --dumps .../dumps.txt
     reports.mkdir(parents=True)
     (reports / "signoff.json").write_text(json.dumps({"passed": True}))
     (reports / "signoff.md").write_text("PASS")

@@ -85,8 +85,8 @@ def pages(tmp_path_factory):
     out = {}
     for name, fault in (("pass", False), ("fail", True)):
         rep = make_report(root / name, fault)
-        write_reports(rep, root / name / "reports")
-        out[name] = (rep, root / name / "reports")
+        write_reports(rep, root / name / "reports" / "validate" / "builtin-cpu")  # a bundle's, as validate keys it
+        out[name] = (rep, root / name / "reports" / "validate" / "builtin-cpu")
     return root, out
 
 
@@ -190,7 +190,7 @@ def test_kernel_conformance_follows_the_signoff(pages):
 
 def test_diff_names_the_moved_layer(pages, tmp_path):
     _, reps = pages
-    a, b = load_signoff(reps["pass"][1])[1], load_signoff(reps["fail"][1].parent)[1]
+    a, b = load_signoff(reps["pass"][1])[1], load_signoff(reps["fail"][1].parents[2])[1]  # the folder, or the bundle
     d = diff_signoffs(a, b)
     first = d.moved[0]
     assert first.change == "now fails" and first.case == "greedy"

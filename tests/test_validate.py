@@ -84,11 +84,12 @@ def test_clean_bundle_passes(work, name, ranks):
     assert r.returncode == 0, r.stderr[-2000:]
     status = {c["name"]: c["status"] for c in data["cases"]}
     assert status == {"greedy": "pass", "long_context": "pass", "image": "not run"}
+    reports = work[name] / "reports" / "validate" / ("builtin-cpu" + ("-distributed" if ranks == "distributed" else ""))
     for f in ("signoff.json", "signoff.md", "signoff.html"):
-        assert (work[name] / "reports" / f).is_file()
-    assert "<svg" in (work[name] / "reports" / "signoff.html").read_text()
+        assert (reports / f).is_file()
+    assert "<svg" in (reports / "signoff.html").read_text()
     assert data["nonfinite"] == [] and "## Non-finite values\n\nnone: every compared value was finite on both " \
-        "sides" in (work[name] / "reports" / "signoff.md").read_text()
+        "sides" in (reports / "signoff.md").read_text()
     # the built-in device reads every weight file: level sample re-hashes them all, and says so
     weights = sum(p.name.endswith(".safetensors") for p in (work[name] / "device_weights").rglob("*"))
     manifest = json.loads((work[name] / "manifest.json").read_text())
@@ -251,7 +252,7 @@ def test_reports_lead_with_the_teacher_forced_failure_at_the_faulty_layer(work, 
     assert r.returncode == 1, r.stderr[-2000:]
     line = next(l for l in r.stdout.splitlines() if l.strip().startswith("greedy"))
     assert "first failure: layer 1, layers.1.mixer_out (added)" in line, line
-    in_md, in_html = _listed_failures(b / "reports", "greedy")
+    in_md, in_html = _listed_failures(b / "reports" / "validate" / "builtin-cpu", "greedy")
     for listed in (in_md, in_html):
         assert listed[0] == ("added", "layers.1.mixer_out"), listed[:3]
         modes = [m for m, _ in listed]
@@ -259,7 +260,8 @@ def test_reports_lead_with_the_teacher_forced_failure_at_the_faulty_layer(work, 
         first_free = next(i for i, m in enumerate(modes) if m not in TEACHER_FORCED)
         assert all(m not in TEACHER_FORCED for m in modes[first_free:]), modes
     assert in_md[:40] == in_html[:40]
-    assert "| layer 1, `layers.1.mixer_out` (added) |" in (b / "reports" / "signoff.md").read_text()
+    assert "| layer 1, `layers.1.mixer_out` (added) |" in (b / "reports" / "validate" / "builtin-cpu" /
+                                                         "signoff.md").read_text()
 
 
 def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None,
@@ -540,7 +542,7 @@ def test_one_nan_weight_is_counted_and_placed_in_the_non_finite_section(work, tm
     assert f"layers.2.mixer_out: {f['total']:,} of {f['total']:,} values NaN (first: token 0, channel 0)" in f["text"]
     ff = next(c for c in data["cases"] if c["status"] == "fail")["first_failure"]
     assert "values NaN (first: token 0, channel 0)" in ff["line"]
-    md = (b / "reports" / "signoff.md").read_text()
+    md = (b / "reports" / "validate" / "builtin-cpu" / "signoff.md").read_text()
     assert "## Non-finite values" in md and "layers.2.mixer_out: " in md.split("## Non-finite values")[1]
-    assert "Non-finite values" in (b / "reports" / "signoff.html").read_text()
+    assert "Non-finite values" in (b / "reports" / "validate" / "builtin-cpu" / "signoff.html").read_text()
 

@@ -1,5 +1,5 @@
-"""The sign-off report's format version, its one reader (``reports/signoff.json``) and what binds it
-to the bundle it judged.
+"""The sign-off report's format version, its one reader (``reports/validate/RUN_KEY/signoff.json``)
+and what binds it to the bundle it judged.
 
 ``validate`` writes the report (``validate.report``); the checklist ticks its numerics stages from
 it and ``report diff`` compares two of them, both through ``read_signoff``.
@@ -7,10 +7,11 @@ it and ``report diff`` compares two of them, both through ``read_signoff``.
 A verdict names what it judged (``binding``): the sha256 of the bundle's ``manifest.json`` (None
 for a checkpoint), the goldens' content hash, the sha256 of the goldens' ``tolerances.yaml`` and
 the goldens' case list. The checklist ticks from a sign-off only while ``stale_because`` finds
-all of them equal to the bundle as it is now, and while the bundle's run marker (``VALIDATE_RUN``,
-written by ``validate`` before it judges) names the same run as the sign-off: a later run that could
-not replace the reports (``reports/`` unwritable, a kill) leaves a marker naming itself, so the
-earlier sign-off no longer ticks.
+all of them equal to the bundle as it is now, and while the run marker of its run key
+(``validate_run_marker``, written by ``validate`` before it judges) names the same run as the
+sign-off: a later run of that key that could not replace the reports (``reports/`` unwritable, a
+kill) leaves a marker naming itself, so the earlier sign-off of that key no longer ticks. Runs of
+other keys (``bundle.signoff_runs``) have markers of their own and leave it ticking.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.errors import JsonFileError
-from k3bundle.file_names import MANIFEST, VALIDATE_RUN, VALIDATION_DIR
+from k3bundle.file_names import MANIFEST, VALIDATION_DIR, validate_run_marker
 from k3bundle.io.files import sha256_file, write_atomic
 from k3bundle.io.strict_json import read_json
 
@@ -90,18 +91,20 @@ def stale_because(signoff: dict, now: dict, marker: dict | None) -> str:
     return ""
 
 
-def write_run_marker(bundle: str | Path, run_id: str, started: str) -> None:
-    """Name the run now judging ``bundle`` (before it writes anything), so that a sign-off of an
-    earlier run stops ticking even where this run cannot remove it. No goldens folder: nothing to
-    tick, no marker. An ``OSError`` when the marker cannot be written."""
+def write_run_marker(bundle: str | Path, run_key: str, run_id: str, started: str) -> None:
+    """Name the run of ``run_key`` now judging ``bundle`` (before it writes anything), so that a
+    sign-off of an earlier run of that key stops ticking even where this run cannot remove it. No
+    goldens folder: nothing to tick, no marker. An ``OSError`` when the marker cannot be written."""
     if not (Path(bundle) / VALIDATION_DIR).is_dir():
         return
-    write_atomic(Path(bundle) / VALIDATE_RUN, json.dumps({"run_id": run_id, "started": started}) + "\n")
+    write_atomic(Path(bundle) / validate_run_marker(run_key),
+                 json.dumps({"run_key": run_key, "run_id": run_id, "started": started}) + "\n")
 
 
-def read_run_marker(bundle: str | Path) -> dict | None:
-    """The bundle's run marker (None: no run has written one); an unreadable one names no run."""
-    p = Path(bundle) / VALIDATE_RUN
+def read_run_marker(bundle: str | Path, run_key: str) -> dict | None:
+    """The run marker of ``run_key`` (None: no run of that key has written one); an unreadable one
+    names no run."""
+    p = Path(bundle) / validate_run_marker(run_key)
     if not p.is_file():
         return None
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.graph import graph_manifest
+from k3bundle.bundle.signoff_runs import SignoffRun, choose_run, describe_run
 from k3bundle.provenance.verify import verify
 from k3bundle.checklist.capacity import Capacity, capacity
 from k3bundle.checklist.errors import ChecklistError
@@ -41,6 +43,9 @@ class Checklist:
     kernels: list[Kernel]
     stages: list[Stage]
     op_conformance: dict[str, tuple[str, str]] = field(default_factory=dict)  # reports/kernels.json
+    signoff: SignoffRun | None = None  # the validate run the numerics stages read (choose_run)
+    signoff_how: str = ""  # how it was chosen, or why there is none
+    signoff_runs: list[SignoffRun] = field(default_factory=list)  # every run in reports/validate/, newest first
 
     @property
     def passed(self) -> bool:
@@ -61,6 +66,21 @@ class Checklist:
         status, evidence = self.op_conformance.get(op, ("open", "no bundle given (--bundle)"))
         return {"op_conformance": status, "op_conformance_evidence": evidence}
 
+    def signoff_read(self) -> str:
+        """Which validate run's sign-off the stages read: its key, what ran, when, its file."""
+        r = self.signoff
+        if r is None:
+            return f"none ({self.signoff_how})"
+        more = f"; {len(self.signoff_runs) - 1} other run(s), read with --run KEY" if len(self.signoff_runs) > 1 else ""
+        return (f"run {r.key} ({describe_run(r.run)}; finished {r.finished}), {r.path}, {self.signoff_how}{more}")
+
+    def _signoff_dict(self) -> dict:
+        runs = [{"key": r.key, "path": r.path, "run": r.run, "passed": (r.doc or {}).get("passed"), "why": r.why}
+                for r in self.signoff_runs]
+        chosen = None if self.signoff is None else {"key": self.signoff.key, "path": self.signoff.path,
+                                                     "run": self.signoff.run, "why": self.signoff.why}
+        return {"signoff_read": chosen, "signoff_chosen": self.signoff_how, "signoff_runs": runs}
+
     def to_dict(self) -> dict:
         lay = self.plan.layout
         c, p = lay.card, lay.parallel
@@ -78,6 +98,7 @@ class Checklist:
             "fault_paths": [f.to_dict() for f in FAULT_PATHS],
             "soak": [{"key": k, "requirement": r} for k, r in SOAK_REQUIREMENTS],
             "stages": [s.to_dict() for s in self.stages],
+            **(self._signoff_dict() if self.bundle is not None else {}),
         }
 
 
@@ -96,7 +117,7 @@ def _bundle_graph(bundle: Path) -> dict | None:
 
 def make_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
                    context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH, verify_level: str = "sample",
-                   verify_seed: int = 0, serving: Serving | None = None) -> Checklist:
+                   verify_seed: int = 0, serving: Serving | None = None, run: str | None = None) -> Checklist:
     """The bring-up checklist of ``target``, from a config (default: the released K3) or a bundle.
 
     Args:
@@ -113,6 +134,8 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         serving (`Serving`, optional): the engine's settings (``--kv-cache-dtype``,
             ``--gpu-memory-utilization``, ``--attention-dp``, prefix-cache policy, link); default
             a BF16 latent and the layout as written.
+        run (`str`, optional): the run key (``reports/validate/KEY``) whose sign-off the numerics
+            stages read; default the latest run (``bundle.signoff_runs.choose_run``).
 
     Example:
         >>> make_checklist("b300-tp8").capacity.tokens_fit
@@ -122,6 +145,8 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
         raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
     if context < 1 or batch < 1:
         raise ChecklistError(f"--context ({context}) and --batch ({batch}) must be positive")
+    if run is not None and bundle is None:
+        raise ChecklistError(f"--run {run}: a run key names a validate run of a bundle; give --bundle too")
     serving = serving or Serving()
     serving.check()
     written = load_layout(target)
@@ -160,11 +185,17 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
     def verify_bundle(b):
         return verify(b, level=verify_level, seed=verify_seed)
 
-    stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify_bundle)
+    signoff, how, runs = None, "no bundle given (--bundle)", []
+    if bdir is not None:
+        try:
+            signoff, how, runs = choose_run(bdir, run)
+        except BundleError as e:
+            raise ChecklistError(str(e)) from None
+    stages = evaluate_stages(layout.name, cap.passed, cap.verdict, bdir, bounds, verify_bundle, signoff, how)
     model = str(cfg_path) if config is not None or bdir is not None else f"released Kimi K3 config ({cfg_path.name})"
     kernels = kernel_coverage(plan, manifest)
     report, why = read_kernel_report(bdir, layout.name) if bdir is not None else (None, "no bundle given (--bundle)")
     if report is None and bdir is not None:
         why += f"; run `k3bundle kernels --target {layout.name} --backend B --out {bdir}/reports`"
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
-                     kernels, stages, op_status([k.op for k in kernels], report, why))
+                     kernels, stages, op_status([k.op for k in kernels], report, why), signoff, how, runs)

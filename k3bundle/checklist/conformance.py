@@ -44,7 +44,7 @@ def _layer_ok(where: str, layer: int | None, text) -> bool:
 
 
 def kernel_conformance(ops: list[str], signoff: dict | None, text, why: str = "") -> list[Conformance]:
-    """The status of each op in ``ops`` from ``signoff`` (``reports/signoff.json``; None: ``why``)."""
+    """The status of each op in ``ops`` from ``signoff`` (the sign-off read, ``reports/validate/RUN_KEY/signoff.json``; None: ``why``)."""
     out = []
     for op in ops:
         rule = OP_EVIDENCE.get(op) or (GEMM_EVIDENCE if op.endswith(("_gemm", "_gemm_grouped")) else None)

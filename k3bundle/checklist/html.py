@@ -5,8 +5,7 @@ nine stages with their evidence or the command that produces what is missing.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from k3bundle.bundle.signoff_runs import describe_run
 from k3bundle.checklist.build import Checklist
 from k3bundle.checklist.capacity import CAPACITY_MARGIN
 from k3bundle.checklist.conformance import kernel_conformance
@@ -14,8 +13,7 @@ from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
 from k3bundle.checklist.render import engine_lines
 from k3bundle.checklist.roofline import Phase
-from k3bundle.checklist.stages import read_signoff
-from k3bundle.file_names import GRAPH_MANIFEST, SIGNOFF, SOAK_REPORT
+from k3bundle.file_names import GRAPH_MANIFEST, SIGNOFF_RUNS_DIR, SOAK_REPORT
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
 from k3bundle.pages.svg import Mark, stacked_bars
 
@@ -72,7 +70,8 @@ def _phase(ph: Phase, title: str) -> str:
 
 
 def _kernels(cl: Checklist) -> str:
-    signoff, why = read_signoff(Path(cl.bundle)) if cl.bundle else (None, "no bundle given (--bundle)")
+    signoff = cl.signoff.doc if cl.signoff is not None else None
+    why = cl.signoff_how if cl.signoff is None else f"run {cl.signoff.key}: {cl.signoff.why}"
     if signoff is None and cl.bundle:
         why += f"; run `k3bundle validate {cl.bundle}`"
     status = {c.op: c for c in kernel_conformance([k.op for k in cl.kernels], signoff, cl.plan.config.text, why)}
@@ -94,8 +93,16 @@ def _stages(cl: Checklist) -> str:
         notes = "".join(f"<li>{esc(n)}</li>" for n in s.notes)
         items.append(f"<tr{'' if s.done else ' class=open'}><td class=num>{i}</td><td>{badge('done' if s.done else 'open')}"
                      f"</td><td><b>{esc(s.title)}</b></td><td>{text}{f'<ul>{notes}</ul>' if notes else ''}</td></tr>")
+    runs = ""
+    if len(cl.signoff_runs) > 1:
+        runs = (f"<p>Validate runs in <code>{SIGNOFF_RUNS_DIR}/</code>, newest first (<code>--run KEY</code> reads "
+                "another):</p>" + table(["run key", "what ran", "finished", "verdict", ""],
+                                        [[f"<code>{esc(r.key)}</code>", esc(describe_run(r.run) if r.doc else r.why),
+                                          esc(r.finished), badge("pass" if (r.doc or {}).get("passed") else "fail")
+                                          if r.doc else "–", "<b>read</b>" if r is cl.signoff else ""]
+                                         for r in cl.signoff_runs]))
     return ("<table class='stages'><thead><tr><th class=num>#</th><th>status</th><th>stage</th><th>evidence</th>"
-            f"</tr></thead><tbody>{''.join(items)}</tbody></table>")
+            f"</tr></thead><tbody>{''.join(items)}</tbody></table>{runs}")
 
 
 def _faults(cl: Checklist) -> str:
@@ -127,6 +134,7 @@ def to_html(cl: Checklist) -> str:
               ("parallel", f"tp {par.tp}, attention_dp {par.attention_dp}, ep {par.ep} (moe_tp {par.moe_tp}), "
                            f"pp {par.pp} (layers per stage {list(cl.plan.stage_layers)})"),
               ("model", esc(cl.model)), ("bundle", f"<code>{esc(cl.bundle)}</code>" if cl.bundle else "–"),
+              *([("sign-off read", esc(cl.signoff_read()))] if cl.bundle else []),
               ("workload", f"batch {cl.batch:,} × context {cl.context:,} tokens")]),
         "<nav class='noprint'><a href='#capacity'>capacity</a> · <a href='#roofline'>roofline</a> · "
         "<a href='#kernels'>kernels</a> · <a href='#faults'>fault paths</a> · <a href='#stages'>stages</a></nav>",
@@ -144,7 +152,7 @@ def to_html(cl: Checklist) -> str:
         "<h2 id='kernels'>3. Kernel coverage</h2>",
         f"<p class='muted'>Primitives the target must implement (<code>{GRAPH_MANIFEST}</code> custom_ops), shapes "
         "per rank (T tokens in a step, B requests, S cached tokens); conformance from the checks in "
-        f"<code>{SIGNOFF}</code> that exercise each op.</p>", _kernels(cl),
+        "the sign-off read (above) that exercise each op.</p>", _kernels(cl),
         "<h2 id='faults'>4. Fault paths and soak</h2>", _faults(cl),
     ]
     return page(f"k3bundle checklist: {cl.target}", "\n".join(body))

@@ -7,7 +7,8 @@ from k3bundle.checklist.capacity import CAPACITY_MARGIN, Capacity
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
 from k3bundle.checklist.roofline import Phase
-from k3bundle.file_names import FAULTS_REPORT, GRAPH_MANIFEST, KERNELS_REPORT, REPORTS_DIR, SOAK_REPORT
+from k3bundle.file_names import (FAULTS_REPORT, GRAPH_MANIFEST, KERNELS_REPORT, REPORTS_DIR, SIGNOFF_RUNS_DIR,
+                                  SOAK_REPORT)
 
 SECTIONS = ("Summary", "1. Capacity", "2. Roofline lower bounds", "3. Kernel coverage", "4. Fault paths and soak",
             "5. Stages (sign-off order)")
@@ -71,6 +72,7 @@ def to_markdown(cl: Checklist) -> str:
         f"- parallel: tp {par.tp}, attention_dp {par.attention_dp}, ep {par.ep} (moe_tp {par.moe_tp}), pp {par.pp} "
         f"(layers per stage {list(cl.plan.stage_layers)})",
         f"- model: {cl.model}" + (f"; bundle `{cl.bundle}`" if cl.bundle else ""),
+        *([f"- sign-off read (stages per-layer numerics, end-to-end cases): {cl.signoff_read()}"] if cl.bundle else []),
         f"- workload: batch {cl.batch:,} × context {cl.context:,} tokens (`--batch`, `--context`)",
         "- every number is computed from the plan, the layout and the config; its formula is beside it "
         "(docs/bring-up.md explains each)", "",
@@ -129,6 +131,9 @@ def to_markdown(cl: Checklist) -> str:
                                                      else "open — " + sstage.missing), ""]
     lines += [f"- {_box(sstage.done)} {key.replace('_', ' ')}: {req}" for key, req in SOAK_REQUIREMENTS]
     lines += ["", "## 5. Stages (sign-off order)", ""]
+    if len(cl.signoff_runs) > 1:
+        lines += [f"Validate runs in `{SIGNOFF_RUNS_DIR}/`, newest first (`--run KEY` reads another):", ""]
+        lines += [f"- {'**read**: ' if r is cl.signoff else ''}{r.summary()}" for r in cl.signoff_runs] + [""]
     for i, s in enumerate(cl.stages, 1):
         if s.done:
             lines.append(f"{i}. {_box(True)} **{s.title}** — {s.evidence}")

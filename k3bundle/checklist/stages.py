@@ -7,9 +7,11 @@ paths → soak → sign-off. Evidence, all inside the bundle:
   (``k3bundle.provenance.verify.verify``), ``weights.index.json`` agreeing with every device header;
 * golden — ``validation/golden_inputs.npz``, ``golden_intermediates.npz``, ``tolerances.yaml``,
   both npz files from the same run (content hash);
-* per-layer numerics / end-to-end cases — ``reports/signoff.json`` written by ``validate`` on the
-  bundle as it is now: the manifest, goldens, tolerance file and case list it records are the
-  bundle's, and it is the run the bundle's run marker names (``bundle.signoff.stale_because``);
+* per-layer numerics / end-to-end cases — one run's ``reports/validate/RUN_KEY/signoff.json``
+  (the latest, or the one ``--run`` names: ``bundle.signoff_runs.choose_run``) written by
+  ``validate`` on the bundle as it is now: the manifest, goldens, tolerance file and case list it
+  records are the bundle's, and it is the run its key's run marker names
+  (``bundle.signoff.stale_because``);
 * performance, fault paths, soak — ``reports/performance.json``, ``faults.json``, ``soak.json``
   written by the bring-up team (format in docs/bring-up.md), checked against this checklist.
 A stage that is not ticked says what is missing and the command that produces it.
@@ -28,11 +30,11 @@ import zstandard
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.signoff import binding, read_run_marker, stale_because
-from k3bundle.bundle.signoff import read_signoff as read_signoff_file
+from k3bundle.bundle.signoff_runs import SignoffRun
 from k3bundle.checklist import faults as F
 from k3bundle.errors import JsonFileError
 from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES,
-                                  MANIFEST, PERFORMANCE_REPORT, SIGNOFF, SOAK_REPORT, VALIDATION_DIR)
+                                  MANIFEST, PERFORMANCE_REPORT, SOAK_REPORT, VALIDATION_DIR)
 from k3bundle.io.strict_json import loads, read_json
 
 PERFORMANCE_KIND, FAULTS_KIND, SOAK_KIND = "k3bundle.performance", "k3bundle.faults", "k3bundle.soak"
@@ -99,16 +101,6 @@ def read_report(bundle: Path, rel: str) -> tuple[object | None, str]:
         return None, f"{rel}: not readable JSON ({e.problem})"
 
 
-def read_signoff(bundle: Path) -> tuple[dict | None, str]:
-    """(the bundle's sign-off report, '') or (None, why it cannot tick anything)."""
-    if not (bundle / SIGNOFF).is_file():
-        return None, f"no {SIGNOFF}"
-    try:
-        return read_signoff_file(bundle / SIGNOFF), ""
-    except BundleError as e:
-        return None, str(e)
-
-
 def read_evidence(bundle: Path, rel: str, kind: str) -> tuple[dict | None, str]:
     path = bundle / rel
     if not path.is_file():
@@ -167,7 +159,7 @@ def _golden(bundle: Path | None, goldens: dict | None, why: str) -> Stage:
     return s
 
 
-def _signoff_checks(bundle: Path | None, goldens: dict | None, signoff: dict | None, why: str,
+def _signoff_checks(bundle: Path | None, goldens: dict | None, run: SignoffRun | None, why: str,
                     key: str, title: str) -> tuple[Stage, dict | None]:
     s = Stage(key, title, False, next=f"k3bundle validate {bundle or 'BUNDLE'} [--dumps DIR]")
     if bundle is None:
@@ -177,19 +169,22 @@ def _signoff_checks(bundle: Path | None, goldens: dict | None, signoff: dict | N
         s.missing = "no goldens to judge against (stage golden)"
         s.next = f"k3bundle golden {bundle}, then k3bundle validate {bundle}"
         return s, None
-    if signoff is None:
+    if run is None:
         s.missing = why
         return s, None
-    stale = stale_because(signoff, binding(bundle, goldens, bundle / VALIDATION_DIR / GOLDEN_TOLERANCES),
-                          read_run_marker(bundle))
-    if stale:
-        s.missing = f"{SIGNOFF}: {stale}"
+    if run.doc is None:
+        s.missing = f"run {run.key}: {run.why}"
         return s, None
-    return s, signoff
+    stale = stale_because(run.doc, binding(bundle, goldens, bundle / VALIDATION_DIR / GOLDEN_TOLERANCES),
+                          read_run_marker(bundle, run.key))
+    if stale:
+        s.missing = f"{run.path}: {stale}"
+        return s, None
+    return s, run.doc
 
 
-def _layer_numerics(bundle, goldens, signoff, why) -> Stage:
-    s, doc = _signoff_checks(bundle, goldens, signoff, why, "per_layer_numerics", "per-layer numerics")
+def _layer_numerics(bundle, goldens, run, why) -> Stage:
+    s, doc = _signoff_checks(bundle, goldens, run, why, "per_layer_numerics", "per-layer numerics")
     if doc is None:
         return s
     checked, failed = [], []
@@ -206,20 +201,20 @@ def _layer_numerics(bundle, goldens, signoff, why) -> Stage:
             r = bad[0]
             failed.append(f"{c['name']}: {len(bad)} failing, first layer {r.get('layer')} `{r.get('tap')}`")
     if failed:
-        s.missing = "teacher-forced layer checks fail: " + "; ".join(failed)
+        s.missing = f"run {run.key}: teacher-forced layer checks fail: " + "; ".join(failed)
     elif not checked:
-        s.missing = f"{SIGNOFF} has no teacher-forced layer checks for any case"
+        s.missing = f"{run.path} has no teacher-forced layer checks for any case"
     else:
         s.done = True
         n = sum(len([r for r in c.get("results", []) if r.get("mode") in LAYER_MODES]) for c in doc["cases"]
                 if c["name"] in checked)
-        s.evidence = (f"{SIGNOFF} ({doc.get('mode')} on {doc.get('device')}, {doc.get('tolerances')} tolerances): "
+        s.evidence = (f"{run.path} ({doc.get('mode')} on {doc.get('device')}, {doc.get('tolerances')} tolerances): "
                       f"{n} teacher-forced layer checks pass over {len(checked)} cases ({', '.join(checked)})")
     return s
 
 
-def _end_to_end(bundle, goldens, signoff, why) -> Stage:
-    s, doc = _signoff_checks(bundle, goldens, signoff, why, "end_to_end", "end-to-end cases")
+def _end_to_end(bundle, goldens, run, why) -> Stage:
+    s, doc = _signoff_checks(bundle, goldens, run, why, "end_to_end", "end-to-end cases")
     if doc is None:
         return s
     by_kind: dict[str, list[dict]] = {}
@@ -241,7 +236,7 @@ def _end_to_end(bundle, goldens, signoff, why) -> Stage:
         s.missing = "; ".join(gaps)
     else:
         s.done = True
-    s.evidence = (f"{SIGNOFF}: {len(passed)} of {len(doc['cases'])} cases pass ({', '.join(passed) or 'none'})")
+    s.evidence = (f"{run.path}: {len(passed)} of {len(doc['cases'])} cases pass ({', '.join(passed) or 'none'})")
     return s
 
 
@@ -346,12 +341,15 @@ def _soak(bundle: Path | None) -> Stage:
 
 
 def evaluate_stages(target: str, capacity_passed: bool, capacity_verdict: str, bundle: Path | None,
-                    bounds: Callable[[int, int], tuple[float, float]], verify_fn: Callable) -> list[Stage]:
+                    bounds: Callable[[int, int], tuple[float, float]], verify_fn: Callable,
+                    signoff: SignoffRun | None = None, signoff_why: str = "") -> list[Stage]:
     """Every stage in sign-off order.
 
     Args:
         bounds: ``(batch, context) -> (TPOT, TTFT)`` lower bounds, for the performance evidence.
         verify_fn: ``bundle -> VerifyReport`` (``k3bundle.provenance.verify.verify``).
+        signoff: the validate run whose sign-off the numerics stages read (``choose_run``); None:
+            ``signoff_why`` says why there is none.
     """
     cap = Stage("capacity", "capacity", capacity_passed,
                 evidence=capacity_verdict if capacity_passed else "",
@@ -359,9 +357,9 @@ def evaluate_stages(target: str, capacity_passed: bool, capacity_verdict: str, b
                 next="" if capacity_passed else
                 "change the layout (cards, degrees, formats, reserve) or the batch/context")
     goldens, gwhy = read_goldens(bundle) if bundle is not None else (None, "")
-    signoff, swhy = read_signoff(bundle) if bundle is not None else (None, "")
     stages = [cap, _conversion(bundle, target, verify_fn), _golden(bundle, goldens, gwhy),
-              _layer_numerics(bundle, goldens, signoff, swhy), _end_to_end(bundle, goldens, signoff, swhy),
+              _layer_numerics(bundle, goldens, signoff, signoff_why),
+              _end_to_end(bundle, goldens, signoff, signoff_why),
               _performance(bundle, bounds), _faults(bundle), _soak(bundle)]
     open_ = [s.title for s in stages if not s.done]
     sign = Stage("signoff", "sign-off", not open_,

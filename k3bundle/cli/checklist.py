@@ -17,6 +17,7 @@ EXAMPLES = [
     "k3bundle checklist --target b300-tp8",
     "k3bundle checklist --target b200-tp8-pp2 --context 32768 --batch 16 --out b200.md",
     "k3bundle checklist --target b300-tp8 --bundle /bundles/k3-b300 --json",
+    "k3bundle checklist --target b300-tp8 --bundle /bundles/k3-b300 --run dumps-vllm-bf16",
     "k3bundle checklist --target ./layouts/my-card.yaml --config /ckpt/Kimi-K3/config.json",
     "k3bundle checklist --target b300-tp8 --kv-cache-dtype fp8 --gpu-memory-utilization 0.9",
     "k3bundle checklist --target b300-tp8 --snapshot-every 4096 --page-tokens 64 --link-gbps 400",
@@ -39,6 +40,7 @@ def checklist(
     snapshot_turns: Annotated[int | None, typer.Option("--snapshot-turns", help="Prefix-cache policy: T snapshots per request, one at each turn boundary.")] = None,
     page_tokens: Annotated[int, typer.Option("--page-tokens", help="Tokens per MLA page (the shared page is lcm(KDA state page, MLA page)).")] = DEFAULT_PAGE_TOKENS,
     link_gbps: Annotated[float, typer.Option("--link-gbps", help="Prefill-to-decode link per rank, Gbit/s, for the handoff time.")] = DEFAULT_LINK_GBPS,
+    run: Annotated[str | None, typer.Option("--run", metavar="RUN_KEY", help="With --bundle, the validate run whose sign-off ticks the numerics stages (reports/validate/RUN_KEY: builtin-cpu, dumps-NAME, ...); default the latest run.")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """The bring-up checklist of a target: numbers computed from the plan, stages ticked only from evidence.
@@ -54,7 +56,7 @@ def checklist(
     serving = Serving(kv_cache_dtype, gpu_memory_utilization, attention_dp, snapshot_every, snapshot_turns, page_tokens,
                       link_gbps)
     cl = make_checklist(target, config=config, bundle=bundle, context=context, batch=batch, verify_level=verify,
-                        verify_seed=verify_seed, serving=serving)
+                        verify_seed=verify_seed, serving=serving, run=run)
     o = Output(json_)
     if out is None:
         o.result(to_markdown(cl), cl.to_dict())

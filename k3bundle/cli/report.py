@@ -12,8 +12,8 @@ from k3bundle.io.files import write_atomic
 from k3bundle.validate.diff import diff_signoffs, load_signoff, to_html, to_text
 
 EXAMPLES = [
-    "k3bundle report diff before/reports after/reports",
-    "k3bundle report diff /bundles/k3/reports/signoff.json /tmp/rerun/signoff.json --html diff.html",
+    "k3bundle report diff BUNDLE/reports/validate/builtin-cpu BUNDLE/reports/validate/dumps-vllm",
+    "k3bundle report diff /bundles/k3/reports/validate/builtin-cpu/signoff.json /tmp/rerun/signoff.json --html diff.html",
     "k3bundle report diff BUNDLE_A BUNDLE_B --rel 0.1 --json",
 ]
 
@@ -22,7 +22,7 @@ app = typer.Typer(help="Compare sign-off reports.", no_args_is_help=True, add_co
 
 @app.command("diff", epilog="Examples:\n\n" + "\n\n".join(f"  $ {e}" for e in EXAMPLES))
 def diff(
-    a: Annotated[Path, typer.Argument(help="The earlier sign-off: signoff.json, its reports folder or its bundle.")],
+    a: Annotated[Path, typer.Argument(help="The earlier sign-off: signoff.json, the folder holding it, or a bundle (its latest validate run).")],
     b: Annotated[Path, typer.Argument(help="The later sign-off, likewise.")],
     rel: Annotated[float, typer.Option(help="A value moved when it changed by more than this share of the larger.")] = 0.25,
     html: Annotated[Path | None, typer.Option("--html", help="Also write the diff as a page here.")] = None,

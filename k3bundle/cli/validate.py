@@ -9,10 +9,9 @@ import typer
 
 from k3bundle.provenance.verify import LEVELS
 from k3bundle.cli._common import JsonOpt, Output, exit_with, progress_bar, sigterm_raises
-from k3bundle.file_names import REPORTS_DIR
 from k3bundle.validate.errors import Terminated
 from k3bundle.validate.findings import finding
-from k3bundle.validate.report import discard_reports, start_run, to_json, write_reports
+from k3bundle.validate.report import discard_reports, publish_reports, start_run, to_json
 from k3bundle.validate.run import validate as run_validate
 from k3bundle.validate.device_options import open_device
 
@@ -34,7 +33,7 @@ def validate(
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
     rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
     cases: Annotated[list[str] | None, typer.Option("--cases", metavar="NAME[,NAME...]", help="Judge only these golden cases (comma-separated or repeated: --cases greedy,tool_call); the others are reported 'not run', and a --dumps folder needs only their files.")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports/validate/RUN_KEY, RUN_KEY naming what was validated: builtin-cpu, backend-torch-cuda, dumps-NAME, ...; docs/validation.md).")] = None,
     verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
     verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
     json_: JsonOpt = False,
@@ -44,8 +43,8 @@ def validate(
         raise typer.BadParameter(f"--verify must be one of {', '.join(LEVELS)}, got {verify!r}")
     if ranks not in ("merged", "distributed"):
         raise typer.BadParameter(f"--ranks must be merged or distributed, got {ranks!r}")
-    reports = out or bundle / REPORTS_DIR
-    run_id = start_run(bundle, reports)  # an earlier verdict is gone before this run judges anything
+    # the reports of this run key (or --out) are gone before this run judges anything
+    run = start_run(bundle, out, device=device, ranks=ranks, backend=backend, dumps=dumps)
     try:
         with sigterm_raises(lambda: Terminated("stopped by SIGTERM; no verdict written: rerun validate")):
             dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
@@ -53,10 +52,10 @@ def validate(
             with progress_bar("validate", enabled=not json_, stages=True) as update:
                 rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
                                    cases=[n for c in cases or () for n in c.split(",") if n])
-            rep.backend, rep.run_id = backend, run_id
-            files = write_reports(rep, reports)
+            rep.backend = backend
+            files = publish_reports(rep, run, bundle)
     except BaseException:
-        discard_reports(reports)  # no verdict outlives a run that could not be judged (Ctrl-C, SIGTERM too)
+        discard_reports(run.reports)  # no verdict outlives a run that could not be judged (Ctrl-C, SIGTERM too)
         raise
     lines = [f"{'PASS' if rep.passed else 'FAIL'}: {rep.mode} ({dut.name}) against {rep.tolerances.name} tolerances, "
              f"{rep.seconds:.1f} s"]
@@ -69,6 +68,6 @@ def validate(
         failed = sum(not r.passed for r in c.results)
         lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
     lines.append(f"bundle files: {rep.integrity}")
-    lines.append("reports: " + ", ".join(str(f) for f in files))
+    lines.append(f"reports (run {run.key}): " + ", ".join(str(f) for f in files))
     Output(json_).result("\n".join(lines), {**to_json(rep), "reports": [str(f) for f in files]})
     exit_with(rep.exit_code)

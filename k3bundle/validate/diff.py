@@ -13,6 +13,7 @@ from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.signoff import read_signoff
+from k3bundle.bundle.signoff_runs import choose_run
 from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAME
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
 from k3bundle.pages.svg import Axis, Limit, Series, line_chart, y_range
@@ -20,14 +21,19 @@ from k3bundle.validate.errors import ValidateError
 
 
 def load_signoff(path: str | Path) -> tuple[Path, dict]:
-    """A ``signoff.json``, given itself, the reports folder holding it or the bundle holding that."""
+    """A ``signoff.json``, given itself, the folder holding it, or a bundle (or its ``reports/``):
+    then the latest validate run's (``bundle.signoff_runs.choose_run``)."""
     p = Path(path)
-    for cand in (p, p / SIGNOFF_NAME, p / REPORTS_DIR / SIGNOFF_NAME):
+    bundle = p.parent if p.name == REPORTS_DIR and not (p / SIGNOFF_NAME).is_file() else p
+    for cand in (p, p / SIGNOFF_NAME):
         if cand.is_file():
             break
     else:
-        raise ValidateError(f"{p}: no {SIGNOFF_NAME} here, in {p / SIGNOFF_NAME} or in "
-                            f"{p / REPORTS_DIR / SIGNOFF_NAME}; run `k3bundle validate BUNDLE` first")
+        run, why, _ = choose_run(bundle) if bundle.is_dir() else (None, "not a folder", [])
+        if run is None or run.doc is None:
+            raise ValidateError(f"{p}: no {SIGNOFF_NAME} here, in {p / SIGNOFF_NAME} or in a validate run of a "
+                                f"bundle ({why if run is None else run.why}); run `k3bundle validate BUNDLE` first")
+        cand = bundle / run.path
     try:
         return cand, read_signoff(cand)
     except BundleError as e:

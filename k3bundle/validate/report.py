@@ -1,4 +1,5 @@
-"""The sign-off report: ``reports/signoff.json`` (machines), ``.md`` (people), ``.html`` (plots).
+"""The sign-off report: ``signoff.json`` (machines), ``.md`` (people), ``.html`` (plots), in the
+bundle's ``reports/validate/RUN_KEY/`` (``bundle.signoff_runs``) or a folder of the user's (``--out``).
 
 Every failure line names the case, mode, tap, metric values and limits, Polygraphy-style; each
 case names its first failing layer and tap, and lists its failures teacher-forced first
@@ -10,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from k3bundle import __version__
 from k3bundle.bundle.signoff import SIGNOFF_SCHEMA_VERSION, write_run_marker
-from k3bundle.file_names import REPORTS_DIR, SIGNOFF_NAMES, VALIDATE_RUN
+from k3bundle.bundle.signoff_runs import run_key, write_latest
+from k3bundle.file_names import REPORTS_DIR, SIGNOFF_LATEST, SIGNOFF_NAMES, signoff_run_dir, validate_run_marker
 from k3bundle.io.files import remove_temps_of, temp_path, write_atomic
 from k3bundle.io.strict_json import nonfinite_as_text
 from k3bundle.validate.errors import ValidateError
@@ -56,6 +59,7 @@ def to_json(rep) -> dict:
             "mode": rep.mode, "device": rep.device, "backend": rep.backend, "kernels": rep.kernels,
             "tolerances": rep.tolerances.name,
             **rep.binding, "run_id": rep.run_id,  # what was judged: the checklist ticks only while it is the bundle's now
+            "run": rep.run,  # its run key, when, and the options that say what ran (bundle.signoff_runs)
             "golden_content_hash": rep.golden_meta.get("content_hash"), "passed": rep.passed, "exact_check": rep.exact,
             "integrity": rep.integrity, "integrity_problems": rep.integrity_problems,
             "exit_code": rep.exit_code, "seconds": round(rep.seconds, 2), "cases": cases,
@@ -161,34 +165,73 @@ def _remove_or_empty(p: Path) -> None:
         os.close(os.open(p, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK))
 
 
-def start_run(bundle: str | Path, out_dir: str | Path) -> str:
-    """Before a run judges anything: remove an earlier run's reports (``remove_reports``) and, where
-    the reports are the bundle's own (``reports/``, the ones the checklist ticks from), name the run
-    in the bundle's run marker first; the run's id, which its sign-off records. Where either cannot
-    be done, a one-line error (exit 2) before any work; the marker, when written, already keeps the
-    earlier reports from ticking (``bundle.signoff.stale_because``)."""
-    run_id = secrets.token_hex(8)
-    if Path(out_dir).resolve() == (Path(bundle) / REPORTS_DIR).resolve():
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A validate run: its key (what it validates), id, start, and where its reports go."""
+
+    key: str
+    run_id: str
+    started: str
+    reports: Path
+    own: bool  # the bundle's own reports/validate/KEY: its run marker and latest.json are written
+    options: dict  # device, ranks, backend, dumps: what ran, as the sign-off records it
+
+
+def start_run(bundle: str | Path, out: str | Path | None = None, device: str = "cpu", ranks: str = "merged",
+              backend: str | None = None, dumps: str | Path | None = None) -> Run:
+    """Before a run judges anything: where its reports go — the bundle's ``reports/validate/KEY``
+    (``out`` None or the bundle's ``reports/``), else ``out`` itself — with an earlier run's reports
+    there removed (``remove_reports``); for the bundle's own, the run named in its key's run marker
+    first. Where either cannot be done, a one-line error (exit 2) before any work; the marker, when
+    written, already keeps the earlier reports of this key from ticking
+    (``bundle.signoff.stale_because``)."""
+    key, run_id, started = run_key(device, ranks, backend, dumps), secrets.token_hex(8), _now()
+    own = out is None or Path(out).resolve() == (Path(bundle) / REPORTS_DIR).resolve()
+    out_dir = Path(bundle) / signoff_run_dir(key) if own else Path(out)
+    if own:
         try:
-            write_run_marker(bundle, run_id, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            write_run_marker(bundle, key, run_id, started)
         except OSError as e:
-            raise ValidateError(f"{Path(bundle) / VALIDATE_RUN}: cannot write the run marker: {e.strerror or e}; "
-                                "make the bundle's validation/ folder writable, or write the reports elsewhere "
-                                "(--out)") from None
+            raise ValidateError(f"{Path(bundle) / validate_run_marker(key)}: cannot write the run marker: "
+                                f"{e.strerror or e}; make the bundle's validation/ folder writable, or write the "
+                                "reports elsewhere (--out)") from None
     try:
         remove_reports(out_dir)
     except OSError as e:
         raise ValidateError(f"{out_dir}: cannot remove the earlier reports: {e.strerror or e}; make the folder "
                             "writable (or choose another --out) and rerun") from None
-    if Path(out_dir).is_dir() and not Path(out_dir).is_symlink():
-        probe = temp_path(Path(out_dir) / SIGNOFF_NAMES[0])  # a run whose verdict cannot be written is not begun
+    probe_dir = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
+    if probe_dir is not None and probe_dir.is_dir() and not probe_dir.is_symlink():
+        probe = temp_path(probe_dir / SIGNOFF_NAMES[0])  # a run whose verdict cannot be written is not begun
         try:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
             os.unlink(probe)
         except OSError as e:
             raise ValidateError(f"{out_dir}: cannot write the reports: {e.strerror or e}; make the folder "
                                 "writable (or choose another --out) and rerun") from None
-    return run_id
+    options = {"device": device, "ranks": ranks, "backend": backend,
+               "dumps": None if dumps is None else str(Path(os.path.abspath(dumps)))}
+    return Run(key, run_id, started, out_dir, own, options)
+
+
+def publish_reports(rep, run: Run, bundle: str | Path) -> list[Path]:
+    """Record ``run`` in ``rep``, write its reports (``write_reports``) and, for the bundle's own,
+    name it the latest (``reports/validate/latest.json``, after the reports)."""
+    finished = _now()
+    rep.run_id = run.run_id
+    rep.run = {"key": run.key, "started": run.started, "finished": finished, **run.options}
+    files = write_reports(rep, run.reports)
+    if run.own:
+        try:
+            write_latest(bundle, run.key, run.run_id, finished)
+        except OSError as e:
+            discard_reports(run.reports)
+            raise ValidateError(f"{Path(bundle) / SIGNOFF_LATEST}: cannot write: {e.strerror or e}") from None
+    return files
 
 
 def write_reports(rep, out_dir: str | Path) -> list[Path]:

@@ -84,7 +84,8 @@ class Report:
     integrity_problems: list[str] = field(default_factory=list)  # files that differ: no sign-off
     binding: dict = field(default_factory=dict)  # what was judged (bundle.signoff.binding), as the run began
     backend: str | None = None  # --backend: the kernels the built-in executor ran (None: the reference's)
-    run_id: str = ""  # the run the bundle's run marker names (bundle.signoff.write_run_marker)
+    run_id: str = ""  # the run its key's run marker names (bundle.signoff.write_run_marker)
+    run: dict = field(default_factory=dict)  # key, started, finished, device, ranks, backend, dumps (report.Run)
     kernels: dict | None = None  # the backend the device ran (findings.kernels_of); None: the reference
 
     @property
