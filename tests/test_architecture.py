@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bundle", BASE + ("storage", "layouts", "plan", "ops", "executor")),
     ("convert", ("k3bundle",) + BASE + ("storage", "layouts", "plan", "bundle")),
     ("provenance", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
-    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "executor", "bundle", "provenance")),
+    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "ops", "executor", "bundle", "provenance")),
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
     ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "provenance", "golden", "kernels")),

@@ -172,7 +172,8 @@ def test_example_accelerator_renders_every_section():
     # the conv state in the op contract's notation, [W-1, P]: 96 KDA heads × 128 / tp 4, kernel 4
     conv = next(k for k in cl.kernels if k.op == "causal_short_conv1d_with_state")
     assert OP_CONTRACTS[conv.op].args[2].shape == "[W-1, P]"
-    assert "u [T, 3072], weight [3072, 1, 4] F32, state [3, 3072] BF16 per request" in conv.shapes, conv.shapes
+    assert "u [T, 3072], weight [3072, 1, 4] F32, state [3, 3072] → out [T, 3072], state [3, 3072]" in conv.shapes, \
+        conv.shapes
     for key in ("oom", "collective_timeout", "bad_page", "device_reset"):
         assert f"`{key}`" in md
     assert "24–72 h" in md
@@ -333,6 +334,45 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
     data[-1] ^= 1
     (b / outside).write_bytes(bytes(data))
     assert _stages(b)["conversion"].done  # not in the sample and the same size: by design not seen there
+
+
+def test_kernel_shapes_are_the_op_contracts():
+    """Every op with a backend contract is shown in the contract's notation: its tensors in the
+    contract's order, each dimension the contract's letter with this layout's per-rank size put in
+    (T, B, N, S stay letters). The KDA rows at b300-tp8 by hand: 96 KDA heads / tp 8 = 12 of
+    head dim 128, per-sequence state [N, H, K, V]."""
+    import re
+
+    cl = make_checklist("b300-tp8")
+    rows = {k.op: k.shapes for k in cl.kernels}
+    assert rows["kda_chunked_prefill"].startswith(
+        "q [T, 12, 128], k [T, 12, 128], v [T, 12, 128], g [T, 12, 128], beta [T, 12], A_log [12] F32, "
+        "dt_bias [12, 128] F32, state [N, 12, 128, 128] F32, cu_seqlens [N+1] I64 → o [T, 12, 128], "
+        "state [N, 12, 128, 128] F32; ")
+    assert rows["kda_recurrent_decode"].startswith(
+        "q [B, 12, 128], k [B, 12, 128], v [B, 12, 128], g [B, 12, 128], beta [B, 12], A_log [12] F32, "
+        "dt_bias [12, 128] F32, state [B, 12, 128, 128] F32 → o [B, 12, 128], state [B, 12, 128, 128] F32; ")
+    contract_ops = [op for op in rows if op in OP_CONTRACTS]
+    assert len(contract_ops) >= 6
+    for op in contract_ops:
+        c = OP_CONTRACTS[op]
+        shown = rows[op].split("; ")[0]
+        ins, outs = shown.split(" → ")
+        expect = [(a.name, a.shape) for a in (*c.args, *c.keywords) if a.shape], \
+            [(r.name, r.shape) for r in c.returns if r.shape]
+        for part, want in zip((ins, outs), expect):
+            got = re.findall(r"(\w+) \[([^\]]*)\]", part)
+            assert [g[0] for g in got] == [w[0] for w in want], (op, part)
+            for (name, dims), (_, shape) in zip(got, want):
+                spec = [d.strip() for d in shape.strip("[]").split(",")]
+                dims = [d.strip() for d in dims.split(",")]
+                assert len(dims) == len(spec), (op, name, dims, spec)
+                for d, sp in zip(dims, spec):  # a number where the contract has sizes, its letters where not
+                    assert d.isdigit() or d == sp, (op, name, d, sp)
+                    if sp in ("T", "B", "N", "S", "N+1"):
+                        assert d == sp, (op, name)
+    md = to_markdown(cl)
+    assert rows["kda_chunked_prefill"] in md
 
 
 def test_a_bundle_for_another_target_is_refused(tiny_bundle):

@@ -151,7 +151,9 @@ def to_html(cl: Checklist) -> str:
         _phase(roof.decode, "Decode (per output token)"), _phase(roof.prefill, "Prefill (to the first token)"),
         "<h2 id='kernels'>3. Kernel coverage</h2>",
         f"<p class='muted'>Primitives the target must implement (<code>{GRAPH_MANIFEST}</code> custom_ops), shapes "
-        "per rank (T tokens in a step, B requests, S cached tokens); conformance from the checks in "
+        "per rank; an op with a backend contract in its notation (docs/kernels.md \"Op contracts\": arguments → "
+        "results, T tokens in a step, B requests, N sequences, S keys attended; no dtype: the activation dtype); "
+        "conformance from the checks in "
         "the sign-off read (above) that exercise each op.</p>", _kernels(cl),
         "<h2 id='faults'>4. Fault paths and soak</h2>", _faults(cl),
     ]

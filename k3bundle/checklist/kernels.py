@@ -2,16 +2,21 @@
 
 The op list is the bundle's ``graph_manifest.json`` (``custom_ops``); the shapes are per rank,
 from the plan's parallel degrees (heads / TP, intermediates / TP or moe_tp, experts / EP) and, for
-the quantized GEMMs, the stored device tensors of one rank (``Plan.parts``).
-Legend: T tokens in a step, B requests, S cached tokens of a request.
+the quantized GEMMs, the stored device tensors of one rank (``Plan.parts``). An op with a backend
+contract (``ops.contract.OP_CONTRACTS``) is shown in the contract's own notation — its arguments
+and results in order, the contract's letters replaced by this layout's per-rank sizes — so the
+checklist and docs/kernels.md name one shape one way. Letters left: T tokens in a step, B
+requests, N sequences of a varlen prefill, S keys attended (``ops.contract.SHAPE_LEGEND``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3bundle.executor.kda import CHUNK
+from k3bundle.ops.contract import OP_CONTRACTS, Arg
 from k3bundle.plan import Plan
 
 
@@ -50,29 +55,67 @@ def _dims(plan: Plan) -> dict[str, int]:
             "tp": par.tp}
 
 
+def contract_sizes(x: dict, op: str) -> dict[str, int]:
+    """The per-rank size of each letter of ``op``'s contract (``SHAPE_LEGEND``) at this layout; H and
+    V are the MLA heads and v_head_dim for an MLA op, the KDA heads and head dim otherwise."""
+    rope = x["lat"] - x["kv"]
+    sizes = {"K": x["d"], "P": x["H"] * x["d"], "W": x["kc"], "Q": x["qk"], "Qn": x["qk"] - rope, "R": rope,
+             "L": x["kv"], "D": x["D"], "X": x["E"], "Kx": x["k"], "Lr": x["Lr"]}
+    mla = op.startswith("gated_mla")
+    return {**sizes, "H": x["Hm"] if mla else x["H"], "V": x["dv"] if mla else x["d"]}
+
+
+_TERM = re.compile(r"([+-]?)([^+-]+)")
+_DTYPE = {"act": "", "f32": " F32", "int64": " I64"}  # act: the activation dtype, BF16 on a serving target
+
+
+def _dim(expr: str, sizes: dict[str, int]) -> str:
+    """One dimension of a contract shape (``H``, ``W-1``, ``H·V``, ``N+1``) as a number where every
+    letter has a size here, else as the contract writes it."""
+    total = 0
+    for sign, term in _TERM.findall(expr):
+        prod = 1
+        for f in term.split("·"):
+            f = f.strip()
+            if f.isdigit():
+                prod *= int(f)
+            elif f in sizes:
+                prod *= sizes[f]
+            else:
+                return expr
+        total += -prod if sign == "-" else prod
+    return str(total)
+
+
+def _arg(a: Arg, sizes: dict[str, int]) -> str:
+    dims = ", ".join(_dim(d.strip(), sizes) for d in a.shape.strip("[]").split(","))
+    return f"{a.name} [{dims}]{_DTYPE.get(a.dtype, ' ' + a.dtype)}"
+
+
+def contract_shapes(op: str, sizes: dict[str, int]) -> str:
+    """``op``'s tensors in its contract's order and notation: the arguments (positional, then keyword
+    tensors) → the results."""
+    c = OP_CONTRACTS[op]
+    ins = [_arg(a, sizes) for a in (*c.args, *c.keywords) if a.shape]
+    return ", ".join(ins) + " → " + ", ".join(_arg(r, sizes) for r in c.returns if r.shape)
+
+
+#: what the contract's shapes leave unsaid at a layout, after them
+_CONTRACT_NOTES: dict[str, Callable[[dict], str]] = {
+    "kda_chunked_prefill": lambda x: f"q, k L2-normed in the kernel; chunk {CHUNK}",
+    "kda_recurrent_decode": lambda x: "state read and written in place per request",
+    "causal_short_conv1d_with_state": lambda x: "once each for q, k and v; state per request",
+    "gated_mla_prefill": lambda x: f"causal, scale {x['qk']}^-1/2, no RoPE; k_pe shared by heads",
+    "gated_mla_decode_latent_cache": lambda x: f"latent cache whole on each of {x['tp']} TP ranks",
+    "sigmoid_biased_topk_router": lambda x: f"top-{x['k']}, bias selects only, renormalised weights",
+}
+
+#: ops without a backend contract
 _SHAPES: dict[str, Callable[[dict], str]] = {
-    "kda_chunked_prefill": lambda x: (
-        f"q, k [T, {x['H']}, {x['d']}] (L2-normed in kernel), v [T, {x['H']}, {x['d']}], gate g [T, {x['H']}, "
-        f"{x['d']}] F32, beta [T, {x['H']}], state [{x['H']}, {x['d']}, {x['d']}] F32 in/out, chunk {CHUNK}"),
-    "kda_recurrent_decode": lambda x: (
-        f"q, k, v [B, {x['H']}, {x['d']}], g [B, {x['H']}, {x['d']}], beta [B, {x['H']}], state "
-        f"[B, {x['H']}, {x['d']}, {x['d']}] F32 read + write"),
-    # the op contract's own notation (ops.contract: u [T, P], weight [P, 1, W], state [W-1, P])
-    "causal_short_conv1d_with_state": lambda x: (
-        f"u [T, {x['H'] * x['d']}], weight [{x['H'] * x['d']}, 1, {x['kc']}] F32, state [{x['kc'] - 1}, "
-        f"{x['H'] * x['d']}] BF16 per request; once each for q, k and v"),
-    "gated_mla_prefill": lambda x: (
-        f"q [T, {x['Hm']}, {x['qk']}], k [T, {x['Hm']}, {x['qk']}] (k_pe shared by heads), v [T, {x['Hm']}, "
-        f"{x['dv']}], sigmoid gate [T, {x['Hm'] * x['dv']}], causal, scale {x['qk']}^-1/2, no RoPE"),
-    "gated_mla_decode_latent_cache": lambda x: (
-        f"latent cache [S, {x['lat']}] BF16 (whole on each of {x['tp']} TP ranks), absorbed q [B, {x['Hm']}, "
-        f"{x['lat']}], out [B, {x['Hm']}, {x['kv']}] before W_UV"),
     "attn_res_depth_softmax": lambda x: (
         f"≤ {x['cand']} candidates [T, {x['D']}] → [T, {x['D']}], FP32 softmax over depth (replicated)"),
     "situ_glu": lambda x: (
         f"dense [T, {x['I']}], shared [T, {x['S']}], routed [tokens, {x['Ie']}] per expert slice; FP32"),
-    "sigmoid_biased_topk_router": lambda x: (
-        f"logits [T, {x['E']}] FP32, bias [{x['E']}] F32 (selects only), top-{x['k']}, renormalised weights"),
     "rmsnorm_fp32_stats": lambda x: (
         f"widths {x['D']} (layer norms), {x['Rq']} (q_a), {x['kv']} (kv_a), {x['Lr']} (latent), {x['d']} "
         "(KDA o_norm per head)"),
@@ -110,7 +153,10 @@ def kernel_coverage(plan: Plan, manifest: dict) -> list[Kernel]:
     for op in manifest["custom_ops"]:
         name = op["op"]
         layers = len(op.get("layers", []))
-        if name in _SHAPES:
+        if name in OP_CONTRACTS and "roles" not in op:
+            note = _CONTRACT_NOTES.get(name)
+            shapes = contract_shapes(name, contract_sizes(x, name)) + (f"; {note(x)}" if note else "")
+        elif name in _SHAPES:
             shapes = _SHAPES[name](x)
         elif "roles" in op:
             shapes = (f"{op['storage']} weights, {op['scale_layout']} scales; " + _gemm_shapes(plan, op["roles"]))

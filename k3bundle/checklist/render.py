@@ -109,8 +109,10 @@ def to_markdown(cl: Checklist) -> str:
     lines += _phase(roof.decode, "Decode (per output token)")
     lines += _phase(roof.prefill, "Prefill (to the first token)")
     lines += ["## 3. Kernel coverage", "",
-              f"Primitives the target must implement (`{GRAPH_MANIFEST}` custom_ops), shapes per rank at this layout "
-              f"(T tokens in a step, B requests, S cached tokens). Op conformance: `{KERNELS_REPORT}` "
+              f"Primitives the target must implement (`{GRAPH_MANIFEST}` custom_ops), shapes per rank at this layout; "
+              "an op with a backend contract is shown in its notation (docs/kernels.md \"Op contracts\": arguments "
+              "→ results, T tokens in a step, B requests, N sequences, S keys attended; a tensor with no dtype is in "
+              "the activation dtype). Op conformance: `{KERNELS_REPORT}` "
               f"(`k3bundle kernels --out BUNDLE/{REPORTS_DIR}`) ticks the ops it covered and passed.", "",
               "| op | decoder layers | op conformance | shapes per rank | spec |", "|---|---|---|---|---|"]
     for k in cl.kernels:
