@@ -375,6 +375,52 @@ def test_kernel_shapes_are_the_op_contracts():
     assert rows["kda_chunked_prefill"] in md
 
 
+def test_the_end_to_end_stage_says_up_front_which_cases_cannot_run_yet(tiny_bundle, tmp_path):
+    """The goldens hold no values for the image case (no vision tower in the executor): the stage
+    names it first, with the goldens' reason; once every other case passes it gives no next step,
+    since none could close it."""
+    b = tmp_path / "b"
+    shutil.copytree(tiny_bundle, b, ignore=shutil.ignore_patterns("*.safetensors"))
+    reason = "needs vision, not in the executor yet"
+    cases = [{"name": k, "kind": k, "status": "ok"} for k in REQUIRED_CASE_KINDS if k != "image"]
+    cases.append({"name": "image", "kind": "image", "status": "not run", "reason": reason})
+    digest = _fake_goldens(b, cases)
+
+    def stages():
+        return {s.key: s for s in make_checklist("b300-tp8", bundle=b, verify_level="manifest").stages}
+
+    e2e = stages()["end_to_end"]
+    assert e2e.missing == f"cannot run yet: image ({reason}); no sign-off in reports/validate/"
+    assert e2e.next.startswith("k3bundle validate ")  # every other case can still be run
+
+    def sha256(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    signoff = {"schema_version": 1, "golden_content_hash": digest, "mode": "device", "device": "cpu",
+               "bundle_manifest_sha256": sha256(b / "manifest.json"),
+               "tolerances_sha256": sha256(b / "validation" / "tolerances.yaml"),
+               "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": True,
+               "cases": [{"name": c["name"], "kind": c["kind"], "status": "pass", "results": []} for c in cases[:-1]]
+               + [{"name": "image", "kind": "image", "status": "not run", "reason": reason}]}
+    _write(b, "reports/validate/builtin-cpu/signoff.json", signoff)
+    e2e = stages()["end_to_end"]
+    assert not e2e.done and e2e.next == ""
+    assert e2e.missing == (f"cannot run yet: image ({reason}); every other case passes, so no command can close "
+                           "this stage yet")
+    md = to_markdown(make_checklist("b300-tp8", bundle=b, verify_level="manifest"))
+    line = next(x for x in md.splitlines() if "**end-to-end cases**" in x)
+    assert f"missing: cannot run yet: image ({reason})" in line and "next:" not in line
+
+    signoff["cases"][0]["status"] = "fail"  # a case that can run fails: named after, and validate is next again
+    _write(b, "reports/validate/builtin-cpu/signoff.json", signoff)
+    e2e = stages()["end_to_end"]
+    assert e2e.missing == f"cannot run yet: image ({reason}); {cases[0]['name']}: FAIL"
+    assert e2e.next.startswith("k3bundle validate ")
+
+    _fake_goldens(b, cases[:-1])  # goldens with no image case at all: the kind is named
+    assert stages()["end_to_end"].missing.startswith("cannot run yet: image (the goldens have no image case)")
+
+
 def test_a_bundle_for_another_target_is_refused(tiny_bundle):
     with pytest.raises(ChecklistError, match="converted for layout 'b300-tp8', not 'h200-tp16-ep16'"):
         make_checklist("h200-tp16-ep16", bundle=tiny_bundle)
