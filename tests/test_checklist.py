@@ -421,6 +421,45 @@ def test_the_end_to_end_stage_says_up_front_which_cases_cannot_run_yet(tiny_bund
     assert stages()["end_to_end"].missing.startswith("cannot run yet: image (the goldens have no image case)")
 
 
+def test_each_section_says_where_its_figures_come_from(tiny_bundle, tmp_path):
+    """checklist --bundle of a tiny model: capacity, roofline and kernel shapes are the bundle's
+    model (its sizes named, marked as not the release), op conformance the shapes kernels ran at;
+    in the Markdown, the page and the JSON alike. Without a bundle: the released config."""
+    import html
+
+    from k3bundle.checklist.html import to_html
+    from k3bundle.config import load_config
+
+    text = load_config(tiny_bundle / "config.json").text
+    cl = make_checklist("b300-tp8", bundle=tiny_bundle, verify_level="manifest")
+    md, page = to_markdown(cl), to_html(cl)
+    model = (f"the bundle's model ({tiny_bundle / 'config.json'}) — hidden size {text.hidden_size:,}, "
+             f"{text.num_hidden_layers} layers, {text.num_experts} experts (not the released Kimi K3: figures at its "
+             "own sizes), placed by this layout")
+    for section, title in (("capacity", "## 1. Capacity"), ("roofline", "## 2. Roofline lower bounds"),
+                           ("kernels", "## 3. Kernel coverage")):
+        line = md.split(title + "\n\n")[1].split("\n")[0]
+        assert line == f"Source: {cl.sources[section]}" and model in line, (section, line)
+        assert f"<p class='source'><b>Source:</b> {html.escape(cl.sources[section])}</p>" in page
+    assert cl.sources["kernels"].endswith("Op conformance: no conformance report read (no reports/kernels.json).")
+    assert md.split("## 5. Stages (sign-off order)\n\n")[1].startswith("Source: Ticked from the evidence files")
+    assert cl.to_dict()["sources"] == cl.sources
+
+    tiny_bundle_copy = tmp_path / "b"
+    shutil.copytree(tiny_bundle, tiny_bundle_copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    report = {"kind": "k3bundle.kernel_conformance", "target": "b300-tp8", "backend": "x", "device": "cpu",
+              "dtype": "bfloat16", "ops": [], "model": "/ckpt/tiny/config.json"}
+    (tiny_bundle_copy / "reports").mkdir(exist_ok=True)
+    (tiny_bundle_copy / "reports" / "kernels.json").write_text(json.dumps(report))
+    cl = make_checklist("b300-tp8", bundle=tiny_bundle_copy, verify_level="manifest")
+    assert cl.sources["kernels"].endswith(
+        "Op conformance: measured by `k3bundle kernels` at the per-rank shapes of the config /ckpt/tiny/config.json.")
+
+    released = make_checklist("b300-tp8").sources
+    assert released["capacity"].startswith("Figures from the released Kimi K3 config (kimi-k3.config.json) — hidden "
+                                           "size 7,168, 93 layers, 896 experts, placed by this layout")
+
+
 def test_a_bundle_for_another_target_is_refused(tiny_bundle):
     with pytest.raises(ChecklistError, match="converted for layout 'b300-tp8', not 'h200-tp16-ep16'"):
         make_checklist("h200-tp16-ep16", bundle=tiny_bundle)
@@ -463,6 +502,10 @@ def test_a_kernels_report_ticks_the_ops_it_covered(tiny_bundle, tmp_path):
     assert "backend torch on cpu" in cl.op_conformance["gated_mla_prefill"][1]
     md = to_markdown(cl)
     assert "| `gated_mla_prefill` | 3 | [x] backend torch on cpu" in md  # tiny: MLA layers 3, 7, 8
+    # kernels ran without --config: at the release's shapes, which the checklist says beside the tiny model's
+    assert json.loads((bundle / "reports" / "kernels.json").read_text())["model"] is None
+    assert ("Op conformance: measured by `k3bundle kernels` at the layout's release shapes (the released Kimi K3 "
+            "config, full size), not at this model's sizes.") in md.split("## 3. Kernel coverage")[1].split("\n\n")[1]
     assert json.loads(json.dumps(cl.to_dict()))["kernels"][0]["op_conformance"] in ("pass", "open")
 
     r = run_cli("kernels", "--target", "b300-tp8", "--backend", "planted:mla_scale_128", "--ops", "gated_mla_prefill",

@@ -46,6 +46,7 @@ class Checklist:
     signoff: SignoffRun | None = None  # the validate run the numerics stages read (choose_run)
     signoff_how: str = ""  # how it was chosen, or why there is none
     signoff_runs: list[SignoffRun] = field(default_factory=list)  # every run in reports/validate/, newest first
+    sources: dict[str, str] = field(default_factory=dict)  # section -> where its figures come from (figure_sources)
 
     @property
     def passed(self) -> bool:
@@ -99,7 +100,34 @@ class Checklist:
             "soak": [{"key": k, "requirement": r} for k, r in SOAK_REQUIREMENTS],
             "stages": [s.to_dict() for s in self.stages],
             **(self._signoff_dict() if self.bundle is not None else {}),
+            "sources": self.sources,
         }
+
+
+def figure_sources(model: str, text, release: bool, kernels_report: dict | None, why: str = "",
+                   bundle: bool = True) -> dict[str, str]:
+    """Where each section's figures come from: the model the checklist was made for (a bundle's own
+    ``config.json`` may be a small model of K3's architecture) placed by the layout, or, for op
+    conformance, the shapes ``k3bundle kernels`` ran at (the release's unless it was given
+    ``--config``). Section -> one line, for the Markdown and the page alike."""
+    facts = f"hidden size {text.hidden_size:,}, {text.num_hidden_layers} layers, {text.num_experts} experts"
+    which = f"{model} — {facts}" + ("" if release else " (not the released Kimi K3: figures at its own sizes)")
+    placed = f"from {which}, placed by this layout"
+    if kernels_report is None:
+        measured = f"no conformance report read ({why.split('; ')[0]})"
+    elif kernels_report.get("model") is None:
+        measured = ("measured by `k3bundle kernels` at the layout's release shapes (the released Kimi K3 config, "
+                    "full size)" + ("" if release else ", not at this model's sizes"))
+    else:
+        measured = f"measured by `k3bundle kernels` at the per-rank shapes of the config {kernels_report['model']}"
+    return {"capacity": f"Figures {placed}: its weights in their stored formats, its cache and state per token "
+                        "and request.",
+            "roofline": f"Figures {placed}: its bytes and FLOPs per step.",
+            "kernels": f"Shapes per rank {placed}. Op conformance: {measured}.",
+            "stages": ("Ticked from the evidence files in the bundle (goldens, sign-off, reports), each made from "
+                       "the bundle's own model." if bundle else
+                       "Capacity ticks from the computation above; every other stage needs a bundle's evidence "
+                       "(--bundle).")}
 
 
 def _bundle_graph(bundle: Path) -> dict | None:
@@ -197,5 +225,9 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
     report, why = read_kernel_report(bdir, layout.name) if bdir is not None else (None, "no bundle given (--bundle)")
     if report is None and bdir is not None:
         why += f"; run `k3bundle kernels --target {layout.name} --backend B --out {bdir}/reports`"
+    release = plan.config.text == load_config(release_config_path()).text
+    what = (f"the bundle's model ({cfg_path})" if bdir is not None else
+            f"the config {cfg_path}" if config is not None else f"the {model}")
+    sources = figure_sources(what, plan.config.text, release, report, why, bdir is not None)
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
-                     kernels, stages, op_status([k.op for k in kernels], report, why), signoff, how, runs)
+                     kernels, stages, op_status([k.op for k in kernels], report, why), signoff, how, runs, sources)

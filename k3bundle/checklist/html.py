@@ -24,6 +24,11 @@ def _quantities(rows: list[Quantity]) -> str:
                   for q in rows], num=(1,))
 
 
+def _source(cl: Checklist, section: str) -> str:
+    """Where a section's figures come from (``build.figure_sources``), above them."""
+    return f"<p class='source'><b>Source:</b> {esc(cl.sources[section])}</p>"
+
+
 def _cmd(step: str) -> str:
     return f"<code>{esc(step)}</code>" if step.startswith("k3bundle ") else esc(step)
 
@@ -138,23 +143,24 @@ def to_html(cl: Checklist) -> str:
               ("workload", f"batch {cl.batch:,} × context {cl.context:,} tokens")]),
         "<nav class='noprint'><a href='#capacity'>capacity</a> · <a href='#roofline'>roofline</a> · "
         "<a href='#kernels'>kernels</a> · <a href='#faults'>fault paths</a> · <a href='#stages'>stages</a></nav>",
-        "<h2 id='stages'>Stages (sign-off order)</h2>", _stages(cl),
-        "<h2 id='capacity'>1. Capacity</h2>",
+        "<h2 id='stages'>Stages (sign-off order)</h2>", _source(cl, "stages"), _stages(cl),
+        "<h2 id='capacity'>1. Capacity</h2>", _source(cl, "capacity"),
         f"<div class='callout{' ok' if cap.passed else ''}'>{esc(cap.verdict)}</div>", capacity_chart(cl),
         _quantities(cap.quantities), f"<p class='muted'>{esc(engine_lines(cap)[0].replace('`', ''))}</p>",
         "<h3>Prefix cache: KDA snapshots beside the latent</h3>", _quantities(cap.prefix_cache),
         "<h3>Prefill/decode handoff</h3>", _quantities(cap.handoff),
-        "<h2 id='roofline'>2. Roofline lower bounds</h2>",
+        "<h2 id='roofline'>2. Roofline lower bounds</h2>", _source(cl, "roofline"),
         f"<p class='muted'>Decode GEMMs: {roof.gemm_flops_per_token:,.0f} FLOP per token (the schema's active "
         f"parameters: {roof.active_params:,}). Communication, norms, AttnRes and launch overheads are left out, so "
         "every number is a lower bound (docs/bring-up.md).</p>",
         _phase(roof.decode, "Decode (per output token)"), _phase(roof.prefill, "Prefill (to the first token)"),
-        "<h2 id='kernels'>3. Kernel coverage</h2>",
+        "<h2 id='kernels'>3. Kernel coverage</h2>", _source(cl, "kernels"),
         f"<p class='muted'>Primitives the target must implement (<code>{GRAPH_MANIFEST}</code> custom_ops), shapes "
         "per rank; an op with a backend contract in its notation (docs/kernels.md \"Op contracts\": arguments → "
         "results, T tokens in a step, B requests, N sequences, S keys attended; no dtype: the activation dtype); "
-        "conformance from the checks in "
-        "the sign-off read (above) that exercise each op.</p>", _kernels(cl),
+        "'in the model': from the checks of the sign-off read (above) that exercise each op, on the bundle's own "
+        "model; 'op conformance': from <code>k3bundle kernels</code>, at the shapes the source line names.</p>",
+        _kernels(cl),
         "<h2 id='faults'>4. Fault paths and soak</h2>", _faults(cl),
     ]
     return page(f"k3bundle checklist: {cl.target}", "\n".join(body))

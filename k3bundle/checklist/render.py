@@ -83,6 +83,7 @@ def to_markdown(cl: Checklist) -> str:
         f"- kernels: {len(cl.kernels)} primitives to implement",
         f"- stages: {cl.ticked} of {len(cl.stages)} ticked from evidence", "",
         "## 1. Capacity", "",
+        f"Source: {cl.sources['capacity']}", "",
         f"**{cap.verdict}**", "",
     ]
     lines += _table(cap.quantities)
@@ -97,7 +98,7 @@ def to_markdown(cl: Checklist) -> str:
     lines += ["", *engine_lines(cap), ""]
     lines += ["### Prefix cache: KDA snapshots beside the latent", ""] + _table(cap.prefix_cache)
     lines += ["", "### Prefill/decode handoff", ""] + _table(cap.handoff)
-    lines += ["", "## 2. Roofline lower bounds", "",
+    lines += ["", "## 2. Roofline lower bounds", "", f"Source: {cl.sources['roofline']}", "",
               "Per pipeline stage, t_s ≥ max(max(bytes_s / ranks_s, busiest rank's bytes_s) / HBM bandwidth, "
               "Σ_p FLOPs_s,p / (ranks_s × peak_p)). One stage: that is the bound. Several: decode is bounded by the "
               "slowest stage at the batch and by the sum of the stages at batch 1 (a token crosses them in turn), "
@@ -108,7 +109,7 @@ def to_markdown(cl: Checklist) -> str:
               f"{roof.active_params:,}; the rest are norms, convs and AttnRes vectors).", ""]
     lines += _phase(roof.decode, "Decode (per output token)")
     lines += _phase(roof.prefill, "Prefill (to the first token)")
-    lines += ["## 3. Kernel coverage", "",
+    lines += ["## 3. Kernel coverage", "", f"Source: {cl.sources['kernels']}", "",
               f"Primitives the target must implement (`{GRAPH_MANIFEST}` custom_ops), shapes per rank at this layout; "
               "an op with a backend contract is shown in its notation (docs/kernels.md \"Op contracts\": arguments "
               "→ results, T tokens in a step, B requests, N sequences, S keys attended; a tensor with no dtype is in "
@@ -132,7 +133,7 @@ def to_markdown(cl: Checklist) -> str:
     lines += ["", f"Soak (`{SOAK_REPORT}`): " + ("**ticked** — " + sstage.evidence if sstage.done
                                                      else "open — " + sstage.missing), ""]
     lines += [f"- {_box(sstage.done)} {key.replace('_', ' ')}: {req}" for key, req in SOAK_REQUIREMENTS]
-    lines += ["", "## 5. Stages (sign-off order)", ""]
+    lines += ["", "## 5. Stages (sign-off order)", "", f"Source: {cl.sources['stages']}", ""]
     if len(cl.signoff_runs) > 1:
         lines += [f"Validate runs in `{SIGNOFF_RUNS_DIR}/`, newest first (`--run KEY` reads another):", ""]
         lines += [f"- {'**read**: ' if r is cl.signoff else ''}{r.summary()}" for r in cl.signoff_runs] + [""]

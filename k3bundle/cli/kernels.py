@@ -58,6 +58,7 @@ def kernels(
     o = Output(json_)
     res = conformance.run(b, dims, chosen, name, device, dtype, Sizes(tokens, batch, context), seed, reps,
                           device_card(device), cases, progress=None if json_ else (lambda s: o.info(f"  {s}")))
+    res.model = None if config is None else str(config)
     if out is not None:
         paths = report.save(res, out)
         o.info("wrote " + ", ".join(map(str, paths)))

@@ -67,6 +67,11 @@ class Conformance:
     card: str | None
     sizes: dict
     ops: list[OpResult]
+    model: str | None = None  # the config whose per-rank shapes ran (``kernels --config``); None: the release's
+
+    @property
+    def shapes_of(self) -> str:
+        return shapes_of(self.model)
 
     @property
     def passed(self) -> bool:
@@ -83,6 +88,11 @@ class Conformance:
             for c, cd in zip(o.cases, od["cases"]):
                 cd["ratio"] = c.ratio
         return d
+
+
+def shapes_of(model: str | None) -> str:
+    """Whose per-rank shapes a conformance report ran at, as its ``model`` field says."""
+    return "the released Kimi K3 config (full-size shapes)" if model is None else f"the config {model}"
 
 
 def load_tolerances() -> dict:

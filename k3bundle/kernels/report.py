@@ -39,7 +39,7 @@ def headline(r: Conformance) -> str:
 
 def to_markdown(r: Conformance) -> str:
     lines = [f"# Kernel conformance: backend {r.backend} on {r.device}", "",
-             f"target {r.target} (per-rank shapes), dtype {r.dtype}, card {r.card or '— (no roofline bound)'}, "
+             f"target {r.target} (per-rank shapes of {r.shapes_of}), dtype {r.dtype}, card {r.card or '— (no roofline bound)'}, "
              f"sizes {sizes_text(r.sizes)}", "", headline(r), "",
              "| op | status | case | worst NMSE | min cosine | time ms | bound ms | × bound | failure |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -60,7 +60,8 @@ def to_markdown(r: Conformance) -> str:
 
 def to_html(r: Conformance) -> str:
     body = [f"<h1>Kernel conformance {badge('pass' if r.passed else 'fail')}</h1>",
-            meta([("backend", esc(r.backend)), ("device", esc(r.device)), ("target", esc(r.target)),
+            meta([("backend", esc(r.backend)), ("device", esc(r.device)),
+                  ("target", f"{esc(r.target)} (per-rank shapes of {esc(r.shapes_of)})"),
                   ("dtype", esc(r.dtype)), ("card", esc(r.card or "— (no roofline bound)")),
                   ("sizes", esc(sizes_text(r.sizes)))]),
             f"<p>{esc(headline(r))}</p>"]
