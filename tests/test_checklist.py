@@ -228,6 +228,19 @@ def _fake_goldens(bundle: Path, cases: list[dict]) -> str:
     return digest
 
 
+def _signoff_of(bundle: Path, digest: str, cases: list[dict], reports: list[dict], **fields) -> dict:
+    """A hand-written sign-off bound to ``bundle`` as it is (manifest, goldens ``digest``, tolerance
+    file, case list), with the case ``reports``."""
+    def sha256(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    return {"schema_version": 1, "golden_content_hash": digest, "mode": "device", "device": "cpu",
+            "bundle_manifest_sha256": sha256(bundle / "manifest.json"),
+            "tolerances_sha256": sha256(bundle / "validation" / "tolerances.yaml"),
+            "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": True, "cases": reports,
+            **fields}
+
+
 def _write(bundle: Path, rel: str, doc: dict) -> None:
     (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
     (bundle / rel).write_text(json.dumps(doc))
@@ -256,14 +269,8 @@ def test_stages_tick_only_from_evidence(tiny_bundle, tmp_path):
             {"tap": "layer.mixer_out", "layer": 3, "mode": "added", "passed": layer_ok},
             {"tap": "logits", "layer": None, "mode": "distribution", "passed": True}]}
 
-    def sha256(path: Path) -> str:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    signoff = {"schema_version": 1, "golden_content_hash": digest, "mode": "dumps", "device": "x",
-               "bundle_manifest_sha256": sha256(b / "manifest.json"),
-               "tolerances_sha256": sha256(b / "validation" / "tolerances.yaml"),
-               "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": False,
-               "cases": [case(k) for k in REQUIRED_CASE_KINDS[:-1]] + [case("image", "fail", layer_ok=False)]}
+    signoff = _signoff_of(b, digest, cases, [case(k) for k in REQUIRED_CASE_KINDS[:-1]]
+                          + [case("image", "fail", layer_ok=False)], mode="dumps", device="x", passed=False)
     _write(b, "reports/validate/dumps-x/signoff.json", signoff)
     st = _stages(b)
     assert not st["per_layer_numerics"].done and "first layer 3 `layer.mixer_out`" in st["per_layer_numerics"].missing
@@ -393,15 +400,9 @@ def test_the_end_to_end_stage_says_up_front_which_cases_cannot_run_yet(tiny_bund
     assert e2e.missing == f"cannot run yet: image ({reason}); no sign-off in reports/validate/"
     assert e2e.next.startswith("k3bundle validate ")  # every other case can still be run
 
-    def sha256(path: Path) -> str:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    signoff = {"schema_version": 1, "golden_content_hash": digest, "mode": "device", "device": "cpu",
-               "bundle_manifest_sha256": sha256(b / "manifest.json"),
-               "tolerances_sha256": sha256(b / "validation" / "tolerances.yaml"),
-               "case_list": [c["name"] for c in cases], "tolerances": "bf16", "passed": True,
-               "cases": [{"name": c["name"], "kind": c["kind"], "status": "pass", "results": []} for c in cases[:-1]]
-               + [{"name": "image", "kind": "image", "status": "not run", "reason": reason}]}
+    signoff = _signoff_of(b, digest, cases, [{"name": c["name"], "kind": c["kind"], "status": "pass", "results": []}
+                                             for c in cases[:-1]]
+                          + [{"name": "image", "kind": "image", "status": "not run", "reason": reason}])
     _write(b, "reports/validate/builtin-cpu/signoff.json", signoff)
     e2e = stages()["end_to_end"]
     assert not e2e.done and e2e.next == ""
