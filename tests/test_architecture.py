@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "ops", "executor", "bundle", "provenance")),
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
-    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("executor", "bundle", "provenance", "golden", "kernels")),
+    ("validate", ("k3bundle", "pages", "metrics") + BASE + ("tokenizer_specials", "executor", "bundle", "provenance", "golden", "kernels")),
     ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "provenance", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "checkpoint", "presets", "synth", "pull",
              "plan", "executor",

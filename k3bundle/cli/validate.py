@@ -19,6 +19,7 @@ EXAMPLES = [
     "k3bundle validate /tmp/k3-bundle",
     "k3bundle validate /data/k3-bundle --device cuda",
     "k3bundle validate /data/k3-bundle --ranks distributed --nproc 2",
+    "k3bundle validate /tmp/k3-bundle --serving",
     "k3bundle validate /data/k3-bundle --dumps /data/vllm-dumps",
     "k3bundle validate /data/k3-bundle --dumps /data/vllm-dumps --cases greedy",
 ]
@@ -36,6 +37,7 @@ def validate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports/validate/RUN_KEY, RUN_KEY naming what was validated: builtin-cpu, backend-torch-cuda, dumps-NAME, ...; docs/validation.md).")] = None,
     verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
     verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
+    serving: Annotated[bool, typer.Option("--serving", help="Also run the serving paths on the built-in device: prefix-cache resume at a chunk and a turn boundary, and a prefill/decode handoff through the cache's bytes to another process; each must equal the uninterrupted run (docs/validation.md 'Serving paths').")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""
@@ -48,7 +50,7 @@ def validate(
     try:
         with sigterm_raises(lambda: Terminated("stopped by SIGTERM; no verdict written: rerun validate")):
             dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
-                              rank_results=rank_results, backend=backend)
+                              rank_results=rank_results, backend=backend, serving=serving)
             with progress_bar("validate", enabled=not json_, stages=True) as update:
                 rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
                                    cases=[n for c in cases or () for n in c.split(",") if n])
@@ -67,6 +69,12 @@ def validate(
         where = "" if ff is None else f" — first failure: {finding(ff, c.kernel_ops, rep.kernels)}"
         failed = sum(not r.passed for r in c.results)
         lines.append(f"  {c.name:<13} {c.status.upper():<5} {len(c.results) - failed}/{len(c.results)} checks{where}")
+    for c in rep.cases:
+        for p in c.serving:
+            ff = p.first_failure
+            extra = f", {p.nbytes:,} B per request" if p.path == "handoff" and p.nbytes else ""
+            where = f" — first failure: {ff.line()}" if ff is not None else (f": {p.reason}" if p.reason else "")
+            lines.append(f"  serving {c.name} {p.path} {p.status.upper()}{extra}{where}")
     lines.append(f"bundle files: {rep.integrity}")
     lines.append(f"reports (run {run.key}): " + ", ".join(str(f) for f in files))
     Output(json_).result("\n".join(lines), {**to_json(rep), "reports": [str(f) for f in files]})

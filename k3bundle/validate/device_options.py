@@ -46,10 +46,11 @@ def backend_label(device: str, backend) -> str:
 
 def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None,
                 dumps: str | Path | None = None, rank_results: str | Path | None = None,
-                backend: str | None = None) -> Device:
+                backend: str | None = None, serving: bool = False) -> Device:
     """The device under test: ``dumps`` (an external runtime), one process per rank
     (``ranks="distributed"``), or the built-in executor in this process; with ``backend``, the
-    built-in executor runs that backend's kernels (``k3bundle.kernels``) in place of the reference's."""
+    built-in executor runs that backend's kernels (``k3bundle.kernels``) in place of the reference's.
+    ``serving``: the built-in device in this process also runs the serving paths (``validate.serving``)."""
     path = Path(path)
     kern = None
     if backend is not None:
@@ -63,6 +64,9 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         kern.setup(device)
     if ranks not in ("merged", "distributed"):
         raise ValidateError(f"--ranks must be merged or distributed, got {ranks!r}")
+    if serving and (dumps is not None or ranks == "distributed"):
+        raise ValidateError("--serving runs the serving paths on the built-in device in this process; "
+                            "it cannot be combined with --dumps or --ranks distributed")
     if dumps is not None and not Path(dumps).is_dir():
         raise ValidateError(f"{dumps}: --dumps must be a folder of CASE.safetensors files, and this is "
                             f"{'not a folder' if Path(dumps).exists() else 'missing'}")
@@ -82,4 +86,11 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         dut = InProcess(factory if kern is None else with_backend(factory, kern), backend_label(device, kern),
                         source=path)
     dut.kernels = kern  # a failure's report names the backend's ops that ran there
+    if serving:
+        from functools import partial
+
+        from k3bundle.validate.serving import Handoff, run_paths
+
+        # the decoding process opens the same weights; it runs the reference kernels, so not under --backend
+        dut.serving = partial(run_paths, handoff=None if kern else Handoff(str(path), DEVICE_POLICY, device))
     return dut

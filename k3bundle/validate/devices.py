@@ -46,6 +46,7 @@ class CaseOutput:
     routes_replayed: bool  # the candidate replayed the golden expert choices
     skipped: str = ""  # why the layer checks did not run
     exact_section: str = EXACT_SAME  # the tolerance section ``exact.…`` outputs are judged by
+    serving: object | None = None  # the serving paths' runs (``validate.serving.ServingRun``); None: not run
 
 
 def full_positions(golden: dict, ids: np.ndarray) -> bool:
@@ -114,6 +115,8 @@ class InProcess(Device):
         self.exact_section = EXACT_SAME
         self.source = source  # the bundle or checkpoint the weights come from
         self.after_step = after_step  # a serving engine's cache handling between decode steps
+        # ``validate --serving``: (weights, golden, ids) -> the serving paths' runs (validate.serving.run_paths)
+        self.serving = None
 
     def prepare(self, validation, cases):
         """The exact check runs on the weights the goldens were made from, in float32: judged by
@@ -128,8 +131,11 @@ class InProcess(Device):
             self.exact_weights = self.weights_for(EXACT_POLICY)
 
     def case(self, name, golden, ids):
-        return builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden,
-                              self.exact_section)
+        out = builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden,
+                             self.exact_section)
+        if self.serving is not None:
+            out.serving = self.serving(self.weights, golden, ids.tolist())
+        return out
 
 
 def exact_applies(source: Path | None, validation: Path, device) -> tuple[str, str | None]:

@@ -20,6 +20,7 @@ from k3bundle.pages.html import COLOURS, badge, esc, meta, page, sci, table
 from k3bundle.pages.svg import Axis, Limit, Mark, Series, line_chart, y_range
 from k3bundle.validate.findings import failures, finding
 from k3bundle.validate.margin import NEAR, margins, show, show_use
+from k3bundle.validate.serving import NOT_RUN, SECTION_HEAD, SECTION_NOTE, section_rows
 
 MODES = ("added", "emulation", "inherited")
 STYLE = {"added": ("", "circle"), "emulation": ("2 3", "triangle"), "inherited": ("6 4", "square")}
@@ -299,6 +300,15 @@ def _nonfinite(rep) -> str:
     return f"<h2>Non-finite values</h2><ul class='nonfinite'>{items}</ul>"
 
 
+def _serving(rep) -> str:
+    """The serving paths (``validate --serving``), or that they did not run."""
+    rows = section_rows(rep)
+    if not rows:
+        return f"<h2>Serving paths</h2><p class='muted'>{esc(NOT_RUN)}</p>"
+    return (f"<h2>Serving paths</h2><p>{esc(SECTION_NOTE)}</p>"
+            + table(list(SECTION_HEAD), [[esc(v) for v in r] for r in rows], cls="serving"))
+
+
 def to_html(rep) -> str:
     """The sign-off page of ``rep`` (``validate.run.Report``)."""
     types = layer_types(rep.bundle)
@@ -321,6 +331,6 @@ def to_html(rep) -> str:
                   ("exact check", esc(rep.exact or "not run")),
                   ("bundle files", esc(rep.integrity or "not checked")),
                   ("report", f"k3bundle {esc(__version__)}, {rep.seconds:.1f} s")]),
-            "<h2>Cases</h2>", _summary(rep), _nonfinite(rep)]
+            "<h2>Cases</h2>", _summary(rep), _serving(rep), _nonfinite(rep)]
     body += [_case(rep, c, n, types, tokens.get(c.name)) for c in rep.cases]
     return page(f"k3bundle sign-off: {verdict}", "\n".join(body))

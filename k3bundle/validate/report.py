@@ -21,6 +21,7 @@ from k3bundle.bundle.signoff_runs import run_key, write_latest
 from k3bundle.file_names import REPORTS_DIR, SIGNOFF_LATEST, SIGNOFF_NAMES, signoff_run_dir, validate_run_marker
 from k3bundle.io.files import remove_temps_of, temp_path, write_atomic
 from k3bundle.io.strict_json import nonfinite_as_text
+from k3bundle.validate.serving import NOT_RUN, SECTION_HEAD, SECTION_NOTE, section_rows
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.findings import failures, finding
 from k3bundle.validate.html import tie_text, to_html
@@ -52,6 +53,7 @@ def to_json(rep) -> dict:
                 "kld_by_position": c.kld_by_position, "positions": c.positions,
                 "results": [_result(r) for r in c.results],
                 "margins": [m.as_dict() for m in margins(c, rep.tolerances)],
+                "serving": [p.as_dict() for p in c.serving],
             })
         cases.append(d)
     return nonfinite_as_text({  # "nan" / "inf" as text: the sign-off stays JSON the strict reader takes
@@ -93,6 +95,7 @@ def to_markdown(rep) -> str:
         failed = sum(not r.passed for r in c.results)
         lines.append(f"| {c.name} | {c.kind} | {c.status.upper()} | {failed}/{len(c.results)} | {where} | "
                      f"{greedy} | {drift:.2e} (limit {drift_limit:.1e}) | {c.seconds:.1f} |")
+    lines += serving_section(rep)
     lines += ["", "## Non-finite values", ""]
     found = rep.nonfinite()
     lines += [f"- {f['case']} ({f['mode']}): {f['text']}" for f in found[:40]] or \
@@ -114,6 +117,16 @@ def to_markdown(rep) -> str:
                 if len(near) > 20:
                     lines.append(f"… and {len(near) - 20} more (signoff.json has all)")
     return "\n".join(lines) + "\n"
+
+
+def serving_section(rep) -> list[str]:
+    """The serving paths (``validate --serving``): each against the uninterrupted run."""
+    rows = section_rows(rep)
+    out = ["", "## Serving paths", ""]
+    if not rows:
+        return out + [NOT_RUN]
+    out += [SECTION_NOTE, "", "| " + " | ".join(SECTION_HEAD) + " |", "|" + "---|" * len(SECTION_HEAD)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _md_code(text: str) -> str:

@@ -33,6 +33,7 @@ from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.findings import first_failure, kernels_of, ops_behind
 from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
+from k3bundle.validate.serving import judge_serving
 from k3bundle.metrics import kld
 
 
@@ -54,6 +55,7 @@ class CaseReport:
     kernel_ops: list[str] = field(default_factory=list)  # the backend's ops that ran at the first failure
     layer_checks: str = ""  # why teacher-forced checks were skipped, if they were
     seconds: float = 0.0  # the device's run of the case and its judging
+    serving: list = field(default_factory=list)  # validate.serving.PathResult per serving path (validate --serving)
 
     @property
     def passed(self) -> bool:
@@ -91,7 +93,8 @@ class Report:
     @property
     def passed(self) -> bool:
         return (not self.integrity_problems and all(c.status != "fail" for c in self.cases)
-                and any(c.status == "pass" for c in self.cases))
+                and any(c.status == "pass" for c in self.cases)
+                and all(p.status != "fail" for c in self.cases for p in c.serving))
 
     @property
     def exit_code(self) -> int:
@@ -227,6 +230,8 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
                                     lambda step: near_tie_margin(tol.greedy.get("near_tie_margin", 0.0),
                                                                  golden, step, factor),
                                     step_logits=cand.get("step_logits"))
+    if out.serving is not None:
+        rep.serving = judge_serving(name, out.serving, tol)
     rep.drift = state_drift(golden, cand)
     rep.drift_limit = tol.state.get("drift_nmse", float("inf"))
     rep.drift_limits, rep.drift_basis = drift_limits(golden, rep.drift, tol)

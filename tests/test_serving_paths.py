@@ -1,0 +1,133 @@
+"""Serving paths on the built-in device (docs/validation.md "Serving paths"): prefix-cache resume
+at a chunk and at a turn boundary and a prefill/decode handoff to a spawned process equal the
+uninterrupted run; validate --serving reports them in their own section; each planted fault is
+located to the array and layer it broke."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3bundle.bundle.open_weights import open_weights
+from k3bundle.executor.cache import KDAState
+from k3bundle.executor.cache_bytes import from_bytes, to_bytes
+from k3bundle.executor.case import golden_routes
+from k3bundle.executor.serving import CacheIO, uninterrupted
+from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
+from k3bundle.golden.generate import generate_goldens
+from k3bundle.golden.store import read_npz
+from k3bundle.validate.devices import DEVICE_POLICY
+from k3bundle.validate.serving import Handoff, judge_serving, run_paths
+from tests.conftest import REPO, run_cli
+
+
+# ---- planted faults: module-level, so the decoding process loads them by name ----
+def save_kda_transposed(cache):
+    """A KDA state saved transposed ([dv, dk] where the format says [dk, dv])."""
+    c = cache.clone()
+    for s in c.layers:
+        if isinstance(s, KDAState):
+            s.recurrent_HKV = s.recurrent_HKV.transpose(-1, -2).contiguous()
+    return to_bytes(c)
+
+
+def load_dropping_conv(data):
+    """A conv state dropped on restore (zeros, as a fresh request's)."""
+    c = from_bytes(data)
+    for s in c.layers:
+        if isinstance(s, KDAState):
+            s.conv_3WP = torch.zeros_like(s.conv_3WP)
+    return c
+
+
+def load_one_token_off(data):
+    """A state restored one token off: the engine resumes at length − 1 (its last latent row gone)."""
+    c = from_bytes(data)
+    c.length -= 1
+    c.layers = [s if isinstance(s, KDAState) else s.truncated(c.length) for s in c.layers]
+    return c
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_trained_ckpt):
+    """Goldens of the multi-turn case (turn boundaries, 100+ tokens: a chunk boundary inside) on the
+    trained tiny checkpoint."""
+    root = tmp_path_factory.mktemp("serving")
+    (root / "cases").mkdir()
+    shutil.copy(REPO / "golden" / "cases" / "multi_turn.yaml", root / "cases")
+    src = root / "ckpt"
+    shutil.copytree(tiny_trained_ckpt, src)
+    generate_goldens(src, cases_dir=root / "cases", noise=False)
+    inter = read_npz(src / "validation" / GOLDEN_INTERMEDIATES)
+    golden = {k.split("/", 1)[1]: v for k, v in inter.items() if k.startswith("multi_turn/")}
+    ids = [int(i) for i in read_npz(src / "validation" / GOLDEN_INPUTS)["multi_turn/ids"]]
+    weights = open_weights(src, DEVICE_POLICY, "cpu")
+    tokens = [int(t) for t in golden["greedy_tokens"]]
+    ref = uninterrupted(weights, ids, tokens, golden_routes(golden))  # shared by the fault tests
+    return {"src": src, "golden": golden, "ids": ids, "weights": weights, "ref": ref}
+
+
+def _paths(served, io=CacheIO(), load="k3bundle.executor.cache_bytes:from_bytes"):
+    handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load=load)
+    run = run_paths(served["weights"], served["golden"], served["ids"], handoff, io, ref=served["ref"])
+    from k3bundle.golden.tolerances import load_tolerances
+
+    tol = load_tolerances(served["src"] / "validation" / "tolerances.yaml")
+    return {p.path: p for p in judge_serving("multi_turn", run, tol)}, run
+
+
+def test_validate_serving_passes_and_reports_every_path(served):
+    r = run_cli("validate", str(served["src"]), "--serving", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(r.stdout)
+    paths = {p["path"]: p for p in data["cases"][0]["serving"]}
+    assert {k: p["status"] for k, p in paths.items()} == {"resume_chunk": "pass", "resume_turn": "pass",
+                                                         "handoff": "pass"}
+    ids = served["ids"]
+    assert paths["resume_chunk"]["at"] % 64 == 0 and paths["resume_turn"]["at"] % 64 != 0
+    assert 0 < paths["resume_chunk"]["at"] < len(ids) and 0 < paths["resume_turn"]["at"] < len(ids)
+    # the turn boundary follows an <|end_of_msg|> (the vocabulary's end − 254)
+    eom = served["weights"].config.text.vocab_size - 254
+    assert ids[paths["resume_turn"]["at"] - 1] == eom
+    # the handoff's bytes: every layer's state at the prompt's length, and the header
+    w = served["weights"].config.text
+    la = w.linear_attn_config
+    kda = len(w.kda_layers) * (la.num_heads * la.head_dim ** 2 * 4 + 3 * (la.short_conv_kernel_size - 1)
+                               * la.num_heads * la.head_dim * 2)
+    mla = len(w.mla_layers) * len(ids) * (w.kv_lora_rank + w.qk_rope_head_dim) * 2
+    assert kda + mla < paths["handoff"]["bytes"] < kda + mla + 8192
+    md = Path(next(f for f in data["reports"] if f.endswith("signoff.md"))).read_text()
+    section = md[md.index("## Serving paths"):]
+    assert "| multi_turn | handoff |" in section and f"{paths['handoff']['bytes']:,}" in section
+
+
+def _kda0(served) -> int:
+    return served["weights"].config.text.kda_layers[0]
+
+
+def test_kda_state_saved_transposed_is_located(served):
+    res, _ = _paths(served, io=CacheIO(save=save_kda_transposed))
+    for p in res.values():
+        assert p.status == "fail", p.path
+        assert p.first_failure.tap == f"restore.layers.{_kda0(served)}.kda_state", (p.path, p.first_failure.line())
+
+
+def test_conv_state_dropped_on_restore_is_located(served):
+    res, _ = _paths(served, io=CacheIO(load=load_dropping_conv), load=f"{__name__}:load_dropping_conv")
+    for p in res.values():
+        assert p.status == "fail", p.path
+        assert p.first_failure.tap == f"restore.layers.{_kda0(served)}.kda_conv", (p.path, p.first_failure.line())
+    # and it is a fault of the continuation too, not only of the bytes: the next steps move
+    assert any(not r.passed for r in res["handoff"].results if r.tap == "step_logits" or r.tap.startswith("final."))
+
+
+def test_state_restored_one_token_off_is_located(served):
+    res, _ = _paths(served, io=CacheIO(load=load_one_token_off), load=f"{__name__}:load_one_token_off")
+    for p in res.values():
+        assert p.status == "fail", p.path
+        assert p.first_failure.tap == "restore.length", (p.path, p.first_failure.line())
+        assert p.first_failure.values["tokens"] == p.first_failure.min_required["tokens"] - 1
