@@ -131,3 +131,24 @@ def test_state_restored_one_token_off_is_located(served):
         assert p.status == "fail", p.path
         assert p.first_failure.tap == "restore.length", (p.path, p.first_failure.line())
         assert p.first_failure.values["tokens"] == p.first_failure.min_required["tokens"] - 1
+
+
+def test_a_decoding_process_that_fails_is_one_line_and_fails_the_path(served):
+    from k3bundle.validate.serving import HandoffError, PathPair, judge_path
+
+    ref = served["ref"]
+    handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load="k3bundle.executor.cache_bytes:no_such_load")
+    with pytest.raises(HandoffError) as e:
+        handoff.decode(to_bytes(ref.saved), ref.logits[-1], [1, 2], {})
+    assert "\n" not in str(e.value) and "no_such_load" in str(e.value), str(e.value)
+    res = judge_path("multi_turn", PathPair("handoff", error=str(e.value)), ref, None)
+    assert res.status == "fail" and "no_such_load" in res.reason
+
+
+def test_serving_needs_the_built_in_device_in_this_process(tmp_path):
+    from k3bundle.validate.device_options import open_device
+    from k3bundle.validate.errors import ValidateError
+
+    for kw in ({"ranks": "distributed"}, {"dumps": tmp_path}):
+        with pytest.raises(ValidateError, match="--serving"):
+            open_device(tmp_path, serving=True, **kw)
