@@ -31,9 +31,9 @@ def bundle_for(layout: str, tiny_ckpt: Path, tmp_path_factory) -> Path:
 
 
 def bundle_with_goldens(ckpt: Path, layout: Path, root: Path, cases: tuple[str, ...] = ("greedy",),
-                        noise: bool = True) -> tuple[Path, Path]:
+                        noise: bool = True, long_tokens: int | None = None) -> tuple[Path, Path]:
     """``root/bundle``: ``ckpt`` converted with ``layout``, and goldens of the shipped ``cases``
-    (copied to ``root/cases``). Returns (bundle, cases folder)."""
+    (copied to ``root/cases``; the long case ``long_tokens`` long). Returns (bundle, cases folder)."""
     import shutil
 
     from k3bundle.convert import convert
@@ -45,7 +45,7 @@ def bundle_with_goldens(ckpt: Path, layout: Path, root: Path, cases: tuple[str, 
         shutil.copy(Path(__file__).resolve().parents[1] / "golden" / "cases" / f"{name}.yaml", folder)
     bundle = root / "bundle"
     convert(ckpt, str(layout), bundle, workers=1)
-    generate_goldens(bundle, cases_dir=folder, noise=noise)
+    generate_goldens(bundle, cases_dir=folder, noise=noise, long_tokens=long_tokens)
     return bundle, folder
 
 

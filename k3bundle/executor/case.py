@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from k3bundle.executor.cache import KDAState, ModelCache
+from k3bundle.executor.errors import ExecutorError
 from k3bundle.executor.model import Executor, drive, drive_lockstep
-from k3bundle.executor.taps import SPEC, TapRecorder, tap_kind
+from k3bundle.executor.taps import SPEC, TapRecorder, layer_of, tap_kind
 
 
 @dataclass
@@ -63,7 +64,8 @@ def run_cases(weights, cases: Sequence[dict]) -> list[CaseRun]:
 def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int = 0,
              tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
              snapshot_at: Sequence[int] | None = None, record_routes: bool = False,
-             after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast") -> CaseRun:
+             after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast",
+             recorders: Sequence = ()) -> CaseRun:
     """Prefill ``ids`` recording every tap at ``positions``, then decode; a generator of layer
     requests (``model.drive``), so that several cases can share each layer's read.
 
@@ -78,12 +80,14 @@ def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int
         after_step: ``after_step(i, cache)`` after decode step i's states are kept: a serving
             engine's cache handling between steps (calibration plants serving-path faults here).
         forms: the executor's "fast" (batched) or "readable" forms of the same equations.
+        recorders: more recorders of every tap (``taps.TapRecorder``'s interface): a run in
+            lockstep that reads this one's taps as they are made (``validate.recompute``).
     """
     positions = [int(p) for p in positions]
     steps = len(tokens) if tokens is not None else steps
     decode_positions = list(range(len(ids), len(ids) + max(steps - 1, 0)))
     rec = TapRecorder(positions=positions + decode_positions)
-    recorders = [rec]
+    recorders = [rec, *recorders]
     if record_routes:
         routes = TapRecorder(names=["layers.*.router_ids"])
         recorders.append(routes)
@@ -136,7 +140,8 @@ def golden_routes(golden) -> dict[str, torch.Tensor]:
 
 
 def replay_case(weights, golden, ids: Sequence[int],
-                after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast") -> CaseRun:
+                after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast",
+             recorders: Sequence = ()) -> CaseRun:
     """A golden case run again: the golden routes replayed and decode fed the golden tokens, so
     every array stays comparable with the golden one after a near tie (validate's built-in
     device, and the goldens' own BF16 noise)."""
@@ -148,3 +153,75 @@ def replay_args(golden, ids: Sequence[int], after_step=None, forms: str = "fast"
     return dict(ids=[int(i) for i in ids], positions=[int(p) for p in golden["positions"]],
                 tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
                 after_step=after_step, forms=forms)
+
+
+class LayerWindow:
+    """A recorder (``taps.TapRecorder``'s interface) of one prefill's full-sequence taps that
+    keeps only the newest layer's: a tap of layer l drops every tap of another layer (the
+    embedding goes with layer 0's first tap; ``final_hidden`` joins the last layer's). Read as a
+    teacher-forcing feed; a tap it does not hold is an error, never a silent fallback to the
+    fed run's own value."""
+
+    positions = None  # the executor asks every recorder which positions it taps
+
+    def __init__(self):
+        self._taps: dict[str, torch.Tensor] = {}
+        self._layer: int | None = None
+
+    def wants(self, name: str) -> bool:
+        return tap_kind(name) != "logits"  # the fed run computes its own logits from the fed final_hidden
+
+    def record(self, name: str, value: torch.Tensor, start: int, positions=None) -> None:
+        if start != 0 or positions is not None or not self.wants(name):
+            return  # decode steps (their feed is the goldens' own) and logit rows
+        layer = layer_of(name)
+        if layer is not None and layer != self._layer:
+            self._taps.clear()
+            self._layer = layer
+        self._taps[name] = value.detach()
+
+    def record_state(self, name: str, value: torch.Tensor) -> None:
+        pass
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._taps:
+            raise ExecutorError(f"lockstep feed: {name!r} is not the reference's newest layer "
+                                f"(it holds {sorted(self._taps)})")
+        return self._taps[name]
+
+
+def teacher_forced_on_replay(weights, reference_weights, golden, ids: Sequence[int],
+                             after_step: Callable[[int, ModelCache], None] | None = None
+                             ) -> tuple[CaseRun, dict[str, torch.Tensor]]:
+    """A teacher-forced pass on ``weights`` of a golden case that taps a sample of positions:
+    its prompt layers are fed every position of a replay of the case on ``reference_weights``
+    (``replay_case``: golden routes, decode fed the golden tokens), made layer by layer in
+    lockstep with it, its decode steps the goldens' ``decode.…`` taps (every step is tapped).
+
+    At each layer the replay runs first (``model.drive_lockstep`` keeps the runs' order) and the
+    fed pass reads that layer's outputs just made (``LayerWindow``), so memory holds the two
+    AttnRes streams and one layer's outputs, never every layer's. Returns the replay (its arrays
+    at the goldens' positions) and the fed pass's outputs, kept at the goldens' positions
+    (``Executor.teacher_forced``'s ``rows``). ``after_step``: a serving engine's cache handling,
+    in both runs."""
+    replay, fed = teacher_forced_on_replay_steps(weights, reference_weights, golden, ids, after_step)
+    run, outputs = drive_lockstep([replay, fed], [reference_weights, weights])
+    return run, outputs
+
+
+def teacher_forced_on_replay_steps(weights, reference_weights, golden, ids: Sequence[int],
+                                   after_step: Callable[[int, ModelCache], None] | None = None) -> tuple:
+    """``teacher_forced_on_replay`` as its two generators of layer requests, (replay, fed pass):
+    ``model.drive_lockstep`` runs them on ``reference_weights`` and ``weights``, the replay
+    before the fed pass in its run list (beside other runs, if any)."""
+    window = LayerWindow()
+    replay = case_steps(reference_weights, **replay_args(golden, ids, after_step), recorders=[window])
+
+    def feed(name: str):
+        if name.startswith("decode."):
+            return torch.as_tensor(golden[name]) if name in golden else None
+        return window(name)
+
+    fed = Executor(weights).teacher_forced_steps(feed, decode=True, after_step=after_step,
+                                                 rows=[int(p) for p in golden["positions"]])
+    return replay, fed

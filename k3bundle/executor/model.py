@@ -155,12 +155,14 @@ class Executor:
         return Generation(logits_TV, tokens, step_logits, cache)
 
     def teacher_forced(self, feed: Feed, decode: bool = False,
-                       after_step: Callable[[int, ModelCache], None] | None = None) -> dict[str, torch.Tensor]:
+                       after_step: Callable[[int, ModelCache], None] | None = None,
+                       rows: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """``teacher_forced_steps`` run to its end on this executor's weights."""
-        return drive(self.teacher_forced_steps(feed, decode, after_step), self.w)
+        return drive(self.teacher_forced_steps(feed, decode, after_step, rows), self.w)
 
     def teacher_forced_steps(self, feed: Feed, decode: bool = False,
-                             after_step: Callable[[int, ModelCache], None] | None = None):
+                             after_step: Callable[[int, ModelCache], None] | None = None,
+                             rows: Sequence[int] | None = None):
         """Every layer's outputs computed on ``feed``'s inputs (one prefill, fresh cache), as a
         generator of layer requests (``drive``; ``drive_lockstep`` shares each layer's read with
         other runs).
@@ -179,10 +181,14 @@ class Executor:
         named ``decode.…`` (``own.decode.…``). So the decode path — the KDA recurrence, the
         absorbed MLA form, and the cache between steps (``after_step(i, cache)`` after step i,
         as in ``case.run_case``) — is judged layer by layer too. Values are CPU tensors.
+
+        ``rows``: keep only these prompt rows of every output (the positions a long case's
+        goldens tap), logits computed for them alone: every layer still runs on every position,
+        but what is kept does not grow with the prompt (decode steps are kept whole).
         """
         out: dict[str, torch.Tensor] = {}
         cache = self.new_cache()
-        yield from self._forward_steps(None, cache, decode=False, boundaries=[], feed=feed, collect=out)
+        yield from self._forward_steps(None, cache, decode=False, boundaries=[], feed=feed, collect=out, rows=rows)
         steps = feed("decode.embed") if decode else None
         per_step: dict[str, list[torch.Tensor]] = {}
         for i in range(0 if steps is None else len(steps)):
@@ -288,34 +294,39 @@ class Executor:
         return drive(self._forward_steps(ids_T, cache, decode, boundaries, feed, collect), self.w)
 
     def _forward_steps(self, ids_T: torch.Tensor | None, cache: ModelCache, decode: bool, boundaries: list[int],
-                       feed: Feed | None = None, collect: dict | None = None):
+                       feed: Feed | None = None, collect: dict | None = None, rows: Sequence[int] | None = None):
         """The one forward, as a generator: yields (l, decode) before layer l and is sent its
         ``LayerWeights``; returns the logits. ``drive`` reads each layer for one forward,
-        ``drive_lockstep`` once for every forward of many runs at that layer."""
+        ``drive_lockstep`` once for every forward of many runs at that layer. ``rows``: the
+        rows ``collect`` keeps, and the only ones whose logits are computed (``teacher_forced``)."""
         t, start, eps = self.text, cache.length, self.text.rms_norm_eps
         h0_TD = head.embed(ids_T, self.w) if ids_T is not None else None  # (E0)
         h0_TD = self._fed(feed, "embed", h0_TD)
         self._tap("embed", h0_TD, start)
         stream = BlockResidual(h0_TD, t.attn_res_block_size, eps)  # (A2) B = [], S = h⁰
         snaps = {n: [None] * t.num_hidden_layers for n in boundaries}
+        keep = None if rows is None else torch.tensor([int(r) for r in rows], dtype=torch.long, device=h0_TD.device)
         for l in range(t.num_hidden_layers):
             W = yield l, decode  # this layer's weights: read now (by the driver), dropped below
             out = self.layer(l, W, stream, cache, start, decode, boundaries, feed)
             for n, s in out.snapshots.items():
                 snaps[n][l] = s
-            self._record_layer(l, out, cache, start, collect)
+            self._record_layer(l, out, cache, start, collect, keep)
             del W, out  # free the layer before reading the next
         g = self.w.global_tensor
         h_TD = stream.output(g("out_res.norm"), g("out_res.proj"))  # h_final = AttnRes_out(B ++ [S])
         self._tap("final_hidden", h_TD, start)
         h_in = self._fed(feed, "final_hidden", h_TD)
-        rows = self._logit_rows(start, h_in.shape[0]) if feed is None and collect is None else None
-        if rows is not None:
-            h_in = h_in[torch.tensor(rows, device=h_in.device)]
+        if keep is not None:  # a teacher-forced pass that keeps some rows: logits for them alone
+            h_TD, h_in = h_TD[keep], h_in[keep]
+        else:
+            rows = self._logit_rows(start, h_in.shape[0]) if feed is None and collect is None else None
+            if rows is not None:
+                h_in = h_in[torch.tensor(rows, device=h_in.device)]
         logits_TV = self.w.gather_vocab(head.logits(h_in, g("final_norm"), g("lm_head"), eps))  # (F1)
         if rows is None:
             self._tap("logits", logits_TV, start)
-        else:  # the rows computed, the last one last
+        else:  # the rows computed, in their order
             for r in self.recorders:
                 r.record("logits", logits_TV, start, positions=[start + i for i in rows])
         if collect is not None:
@@ -325,7 +336,8 @@ class Executor:
             cache.snapshots[start + n] = ModelCache(layers, start + n)
         return logits_TV
 
-    def _record_layer(self, l: int, out: LayerOut, cache: ModelCache, start: int, collect: dict | None) -> None:
+    def _record_layer(self, l: int, out: LayerOut, cache: ModelCache, start: int, collect: dict | None,
+                      keep: torch.Tensor | None = None) -> None:
         p = f"layers.{l}."
         self._tap(p + "attn_res_out", out.attn_res_out, start)
         self._tap(p + "mixer_out", out.mixer_out, start)
@@ -342,13 +354,13 @@ class Executor:
             self._tap_state(p + "kda_state", state.recurrent_HKV)
             self._tap_state(p + "kda_conv", state.conv_3WP)
         if collect is not None:
+            kept = {p + "mixer_out": out.mixer_out, p + "ffn_res_out": out.ffn_res_out, p + "ffn_out": out.ffn_out}
             if l > 0:  # layer 0's AttnRes output is the embedding itself
-                collect[p + "attn_res_out"] = out.attn_res_out
-            collect.update({p + "mixer_out": out.mixer_out, p + "ffn_res_out": out.ffn_res_out,
-                            p + "ffn_out": out.ffn_out})
+                kept[p + "attn_res_out"] = out.attn_res_out
             if out.route is not None:
-                collect["own." + p + "router_ids"] = out.route.own_ids_TK
-                collect["noise." + p + "router_margin"] = out.route.noise_T
+                kept.update({"own." + p + "router_ids": out.route.own_ids_TK,
+                             "noise." + p + "router_margin": out.route.noise_T})
+            collect.update(kept if keep is None else {k: v[keep] for k, v in kept.items()})
 
 
 def drive(steps, weights: WeightSource):
@@ -362,30 +374,39 @@ def drive(steps, weights: WeightSource):
         return done.value
 
 
-def drive_lockstep(runs: Sequence, weights: WeightSource) -> list:
+def drive_lockstep(runs: Sequence, weights: WeightSource | Sequence[WeightSource]) -> list:
     """Run many generators of layer requests together, layer-major: a pointer cycles over the
     layers, each layer is read once per cycle and handed to every run waiting for it (its routed
     experts fetched once for all of them), so N runs' forwards cost one pass over the weights
     instead of N. Each run computes exactly what it computes alone (the same operations on the
-    same tensors, only interleaved with other runs'). Returns the runs' results in order."""
+    same tensors, only interleaved with other runs'). Returns the runs' results in order.
+
+    ``weights``: one source for every run, or one per run (a float32 reference beside a BF16
+    device; each source's layer is read once per cycle). At each layer the runs waiting for it
+    take it in their order in ``runs``, so a run may feed on what an earlier one has just
+    computed at the same layer (``case.teacher_forced_on_replay``)."""
+    sources = list(weights) if isinstance(weights, (list, tuple)) else [weights] * len(runs)
     results, waiting = [None] * len(runs), {}
     for i, run in enumerate(runs):
         try:
             waiting[i] = next(run)
         except StopIteration as done:
             results[i] = done.value
-    n_layers, layer = weights.config.text.num_hidden_layers, 0
+    n_layers, layer = sources[0].config.text.num_hidden_layers if sources else 0, 0
     while waiting:
         here = [i for i, (l, _) in waiting.items() if l == layer]
-        if here:
-            W = weights.layer(layer, decode=all(waiting[i][1] for i in here)).shared()
-            for i in here:
-                try:
-                    waiting[i] = runs[i].send(W)
-                except StopIteration as done:
-                    results[i] = done.value
-                    del waiting[i]
-            del W
+        decode = {id(sources[i]): all(waiting[j][1] for j in here if sources[j] is sources[i]) for i in here}
+        read = {}  # id(source) -> its layer, read once for every run of that source waiting here
+        for i in here:
+            src = sources[i]
+            if id(src) not in read:
+                read[id(src)] = src.layer(layer, decode=decode[id(src)]).shared()
+            try:
+                waiting[i] = runs[i].send(read[id(src)])
+            except StopIteration as done:
+                results[i] = done.value
+                del waiting[i]
+        del read
         layer = (layer + 1) % n_layers
     return results
 

@@ -34,7 +34,8 @@ from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIAT
                                   VALIDATION_DIR)
 from k3bundle.golden.cases import Case, check_context, check_long_tokens, load_cases
 from k3bundle.golden.errors import GoldenFileError
-from k3bundle.golden.noise import added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics
+from k3bundle.golden.noise import (added_noise_arrays, added_noise_steps, noise_arrays, noise_metrics,
+                                   sampled_added_noise, sampled_added_noise_steps)
 from k3bundle.golden.store import content_hash, meta_array, to_numpy, write_npz
 from k3bundle.golden.tolerances import load_tolerances, tolerance_path
 from k3bundle.io.files import remove_temps_of, write_atomic
@@ -97,12 +98,19 @@ def all_case_arrays(weights, bf16, runnable: list[tuple[Case, list[int]]], forms
     arrays = [{k: to_numpy(v) for k, v in r.arrays.items()} for r in runs]
     if bf16 is not None:  # the reference's own BF16 noise: free-running replays, teacher-forced passes
         tapped = [a for a, (_, ids) in zip(arrays, runnable) if taps_every_position(a, ids)]
-        replays = [case_steps(bf16, **replay_args(a, ids, forms=forms)) for a, (_, ids) in zip(arrays, runnable)]
-        done = drive_lockstep(replays + [added_noise_steps(bf16, a) for a in tapped], bf16)
+        sampled = [(a, ids) for a, (_, ids) in zip(arrays, runnable) if not taps_every_position(a, ids)]
+        runs = [case_steps(bf16, **replay_args(a, ids, forms=forms)) for a, (_, ids) in zip(arrays, runnable)]
+        runs += [added_noise_steps(bf16, a) for a in tapped]
+        sources = [bf16] * len(runs)
+        for a, ids in sampled:  # fed a float32 replay of itself, which runs first at each layer
+            runs += sampled_added_noise_steps(bf16, weights, a, ids)
+            sources += [weights, bf16]
+        done = drive_lockstep(runs, sources)
         for a, r in zip(arrays, done):
             a.update(noise_metrics(a, r.arrays))
-        for a, added in zip(tapped, done[len(replays):]):
-            a.update(added)
+        added = done[len(arrays):len(arrays) + len(tapped)] + done[len(arrays) + len(tapped) + 1::2]
+        for a, noise in zip(tapped + [a for a, _ in sampled], added):
+            a.update(noise)
     return arrays
 
 
@@ -111,10 +119,13 @@ def taps_every_position(arrays: dict, ids: list[int]) -> bool:
     return arrays["positions"].size == len(ids)
 
 
-def bf16_added_noise(bf16, arrays: dict, ids: list[int]) -> dict[str, np.ndarray]:
-    """The reference's own teacher-forced BF16 noise, what added limits widen to (a case that
-    taps every position: the layer checks need them all), else nothing."""
-    return added_noise_arrays(bf16, arrays) if taps_every_position(arrays, ids) else {}
+def bf16_added_noise(bf16, weights, arrays: dict, ids: list[int]) -> dict[str, np.ndarray]:
+    """The reference's own teacher-forced BF16 noise, what added limits widen to: fed the goldens
+    where the case taps every position, else fed a replay of the case on the goldens' ``weights``
+    at every position, as validate feeds it (``golden.noise.sampled_added_noise``)."""
+    if taps_every_position(arrays, ids):
+        return added_noise_arrays(bf16, arrays)
+    return sampled_added_noise(bf16, weights, arrays, ids)
 
 
 def _refuse_links(out: Path) -> None:
@@ -213,7 +224,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
             arrays = case_arrays(weights, case, ids, forms)
             if bf16 is not None:  # the reference's own BF16 noise, what free-running limits widen to
                 arrays.update(noise_arrays(bf16, arrays, ids, forms))
-                arrays.update(bf16_added_noise(bf16, arrays, ids))
+                arrays.update(bf16_added_noise(bf16, weights, arrays, ids))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
         for k, v in arrays.items():

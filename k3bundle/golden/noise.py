@@ -21,11 +21,13 @@ deficit 1 − value) where that is looser than the tolerance file's limit, never
 The teacher-forced (added) checks, which locate faults, have the same problem one layer at a
 time: what a layer adds in BF16 depends on how far its weights amplify rounding, and a deep
 random model has layers that add more than the tiny one's worst (docs/validation.md, "A clean
-false alarm at full depth"). So where a case taps every position, the reference runs its
-layers once more teacher-forced in BF16 on the goldens' own inputs (exactly what validate's
-built-in device does, ``Executor.teacher_forced``), and stores
-``bf16_noise.nmse.added.{tap}`` and ``bf16_noise.cosine.added.{tap}``; an added limit widens
-to ``noise.added_factor`` × that, never tighter than the fixed limit. The factor is smaller
+false alarm at full depth"). So the reference runs its layers once more teacher-forced in BF16
+on the goldens' own inputs (exactly what validate's built-in device does,
+``Executor.teacher_forced``; a case that taps a sample of positions is fed a replay of itself at
+every position, as validate feeds it: ``sampled_added_noise``), and stores
+``bf16_noise.nmse.added.{tap}`` and ``bf16_noise.cosine.added.{tap}`` (at the tapped
+positions); an added limit widens to ``noise.added_factor`` × that, never tighter than the
+fixed limit. The factor is smaller
 than the free-running one: a teacher-forced value has no chaotic amplification to absorb,
 only the difference between a device's BF16 arithmetic and the reference's.
 """
@@ -95,6 +97,33 @@ def added_noise_steps(bf16_weights, golden: Mapping[str, np.ndarray]):
     feed = lambda n: as_tensor(golden.get(n))  # noqa: E731
     outputs = yield from Executor(bf16_weights).teacher_forced_steps(feed, decode=True)
     return added_noise_metrics(golden, outputs)
+
+
+def sampled_added_noise_steps(bf16_weights, weights, golden: Mapping[str, np.ndarray],
+                              ids: Sequence[int]) -> tuple:
+    """``added_noise_steps`` of a case that taps a sample of positions: the BF16 teacher-forced
+    pass fed, at every position, a replay of the case on the goldens' own ``weights`` (what
+    validate's built-in device is fed for such a case: ``executor.case.teacher_forced_on_replay``),
+    judged at the tapped positions and every decode step. Two generators of layer requests,
+    (replay on ``weights``, metrics on ``bf16_weights``), to run in this order in one
+    ``executor.model.drive_lockstep``; the second returns the metrics."""
+    from k3bundle.executor.case import teacher_forced_on_replay_steps
+
+    replay, fed = teacher_forced_on_replay_steps(bf16_weights, weights, golden, [int(i) for i in ids])
+
+    def metrics():
+        return added_noise_metrics(golden, (yield from fed))
+
+    return replay, metrics()
+
+
+def sampled_added_noise(bf16_weights, weights, golden: Mapping[str, np.ndarray],
+                        ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """``sampled_added_noise_steps`` run to its end: one case alone."""
+    from k3bundle.executor.model import drive_lockstep
+
+    runs = sampled_added_noise_steps(bf16_weights, weights, golden, ids)
+    return drive_lockstep(list(runs), [weights, bf16_weights])[1]
 
 
 def added_noise_arrays(bf16_weights, golden: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

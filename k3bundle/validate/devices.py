@@ -28,10 +28,10 @@ from k3bundle.executor.taps import tap_kind
 from k3bundle.file_names import GOLDEN_INPUTS
 from k3bundle.golden.store import as_tensor
 from k3bundle.validate.dumps import check_dumps, read_dump
+from k3bundle.validate.recompute import EXACT, recomputed_layer_checks  # EXACT: outputs judged to the float32 floor
 
 DEVICE_POLICY = "bfloat16"  # the built-in device emulates a serving engine's dtypes
 EXACT_POLICY = "float32"  # ... and, for the exact check, runs in the goldens' precision
-EXACT = "exact."  # teacher-forced outputs of that run, judged to the float32 floor
 EXACT_SAME, EXACT_GPU = "exact", "exact_gpu"  # tolerance sections: CPU against CPU goldens, a GPU on either side
 
 
@@ -55,16 +55,20 @@ def full_positions(golden: dict, ids: np.ndarray) -> bool:
 
 
 def device_arrays(weights, golden: dict, ids: np.ndarray, after_step=None,
-                  exact_weights=None) -> tuple[dict, dict | None]:
+                  exact_weights=None, reference_weights=None) -> tuple[dict, dict | None]:
     """The built-in device on one case: the golden run replayed (golden routes, decode fed the
-    golden tokens) and, with every position tapped, every layer fed the golden inputs, at the
-    prompt and at each decode step. ``after_step``: the device's cache handling between decode
-    steps (``executor.case.run_case``), in every run.
+    golden tokens) and every layer fed the reference's inputs, at the prompt and at each decode
+    step. ``after_step``: the device's cache handling between decode steps
+    (``executor.case.run_case``), in every run.
 
-    ``exact_weights`` (the same weights in the goldens' precision): the teacher-forced run once
-    more with them, its outputs named ``exact.…``. On the weights the goldens were made from,
-    that run reproduces them to the float32 floor, so any difference in the weights or the
-    cache — a byte, a scale, a shard, a row — is seen far below the BF16 noise (the *exact* check).
+    With every position tapped the goldens are the feed, and ``exact_weights`` (the same weights
+    in the goldens' precision) runs the teacher-forced pass once more, its outputs named
+    ``exact.…``. On the weights the goldens were made from, that run reproduces them to the
+    float32 floor, so any difference in the weights or the cache — a byte, a scale, a shard, a
+    row — is seen far below the BF16 noise (the *exact* check).
+
+    With sampled positions the feed is recomputed (``recompute.recomputed_layer_checks``) on
+    ``reference_weights`` (the goldens' own weights in float32; without them, no layer checks).
     """
     run = replay_case(weights, golden, ids.tolist(), after_step)
     layers = None
@@ -74,15 +78,28 @@ def device_arrays(weights, golden: dict, ids: np.ndarray, after_step=None,
         if exact_weights is not None:
             exact = Executor(exact_weights).teacher_forced(feed, decode=True, after_step=after_step)
             layers.update({EXACT + k: v for k, v in exact.items() if not k.startswith(("own.", "noise."))})
+    elif reference_weights is not None:
+        layers = recomputed_layer_checks(weights, reference_weights, golden, ids, after_step)
     return run.arrays, layers
 
 
-def builtin_output(cand: dict, layers: dict | None, golden: dict, exact_section: str = EXACT_SAME) -> CaseOutput:
+def builtin_output(cand: dict, layers: dict | None, golden: dict, exact_section: str = EXACT_SAME,
+                   reference: str = "") -> CaseOutput:
     """What the built-in device yields, in one process or from every rank: golden routes
-    replayed, layer outputs judged against the goldens ("added")."""
+    replayed, layer outputs judged against the goldens ("added"). ``reference``: whether the
+    reference's layer inputs could be recomputed (``exact_applies``), which says why a case of
+    sampled positions has no layer checks."""
     return CaseOutput(cand, layers, "added", lambda n: as_tensor(golden.get(n)), True,
-                      "" if layers is not None else "sampled positions: teacher-forced layer checks need every position",
-                      exact_section)
+                      "" if layers is not None else sampled_skip(reference), exact_section)
+
+
+def sampled_skip(reference: str) -> str:
+    """Why a case of sampled positions has no layer checks on the built-in device: its layer
+    inputs at every position are recomputed only on the weights the goldens were made from."""
+    why = ("the device run did not recompute them" if reference.startswith("ran")
+           else reference.removeprefix("not run: ") or "the device has no weights path")
+    return ("sampled positions: every position's layer inputs are recomputed only on the weights the "
+            f"goldens were made from, and {why}")
 
 
 class Device(ABC):
@@ -124,18 +141,22 @@ class InProcess(Device):
         by the ``exact_gpu`` limits where a GPU is on either side (its measured floor)."""
         self.exact_status, section = exact_applies(self.source, validation, self.weights.device)
         if section is not None:
-            # float32 means float32: no TF32 shortcut in cuBLAS/cuDNN (the goldens have none either)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+            no_tf32()
             self.exact_section = section
             self.exact_weights = self.weights_for(EXACT_POLICY)
 
     def case(self, name, golden, ids):
-        out = builtin_output(*device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights), golden,
-                             self.exact_section)
+        arrays = device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights, self.exact_weights)
+        out = builtin_output(*arrays, golden, self.exact_section, self.exact_status)
         if self.serving is not None:
             out.serving = self.serving(self.weights, golden, ids.tolist())
         return out
+
+
+def no_tf32() -> None:
+    """Float32 means float32: no TF32 shortcut in cuBLAS/cuDNN (the goldens have none either)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def exact_applies(source: Path | None, validation: Path, device) -> tuple[str, str | None]:

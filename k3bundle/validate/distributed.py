@@ -21,7 +21,7 @@ from pathlib import Path
 
 from k3bundle.bundle.weights import bundle_layout
 from k3bundle.golden.store import read_npz
-from k3bundle.validate.devices import Device, as_tensor, builtin_output
+from k3bundle.validate.devices import EXACT_SAME, Device, as_tensor, builtin_output, exact_applies
 from k3bundle.validate.errors import ValidateError
 
 class Distributed(Device):
@@ -42,8 +42,17 @@ class Distributed(Device):
         self.results_dir = None if results is None else Path(results)  # a worker run made elsewhere
         self.runs_cases_in_prepare = self.results_dir is None  # one torchrun of every rank runs every case
         self.results: dict[str, tuple[dict, dict | None]] = {}
+        self.reference, self.exact_section = "", EXACT_SAME  # whether the ranks recompute a long case's layer inputs
 
     def prepare(self, validation: Path, cases: list[str]) -> None:
+        # every rank asks the same question of the same files (worker.main): the float32 recomputation
+        # that feeds a case of sampled positions runs on the goldens' own weights only
+        self.reference, section = exact_applies(self.bundle, validation, self.device)
+        if section is not None:
+            self.exact_section = section
+            self.exact_status = (f"{self.reference}; on every rank, for cases of sampled positions only (the "
+                                 "recomputation that feeds their layer checks); a case that taps every position "
+                                 "has it on the built-in device in one process")
         if self.results_dir is not None:  # e.g. a multi-host torchrun of the worker
             self._read(self.results_dir, cases)
             return
@@ -71,7 +80,7 @@ class Distributed(Device):
             self.results[name] = (cand, outs or None)
 
     def case(self, name, golden, ids):
-        return builtin_output(*self.results[name], golden)
+        return builtin_output(*self.results[name], golden, self.exact_section, self.reference)
 
 def _cause(output: str) -> str:
     """The line that says why a rank died: ``rank N: Type: message`` from the last exception

@@ -2,7 +2,8 @@
 
 Usage (launched by validate): ``torchrun --nproc_per_node N -m k3bundle.validate.worker
 BUNDLE VALIDATION_DIR OUT_DIR DEVICE [BACKEND]`` (BACKEND: ``k3bundle.kernels`` name, default reference). Every rank runs every case on its own shard of the
-weights through the same ``devices.device_arrays`` as the in-process device; rank 0 writes
+weights through the same ``devices.device_arrays`` as the in-process device (a case of sampled
+positions with its float32 recomputation, on the rank's shard of the goldens' own weights); rank 0 writes
 ``OUT_DIR/CASE.npz`` with the device arrays (``cand/…``) and the teacher-forced layer outputs
 (``outs/…``).
 """
@@ -21,7 +22,7 @@ from k3bundle.executor.weights import resident_budget
 from k3bundle.executor.taps import tap_kind
 from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
 from k3bundle.golden.store import read_meta, read_npz, to_numpy, write_npz
-from k3bundle.validate.devices import DEVICE_POLICY, device_arrays
+from k3bundle.validate.devices import DEVICE_POLICY, EXACT_POLICY, device_arrays, exact_applies, no_tf32
 
 # KDA state taps are per-rank head slices: the axis their heads are on (states carry a leading
 # step or snapshot axis in some arrays, so it is counted from the end)
@@ -60,6 +61,11 @@ def main(bundle: str, validation: str, out: str, device: str, kernels: str = "re
 
             weights.backend = load(kernels)
             weights.backend.setup(device)
+        reference = None  # the goldens' own weights in float32: what a case of sampled positions is recomputed on
+        if exact_applies(Path(bundle), Path(validation), device)[1] is not None:
+            no_tf32()
+            reference = BundleWeights(bundle, dtype=EXACT_POLICY, device=device, rank=rank,
+                                      resident_bytes=resident_budget(device, EXACT_POLICY, sharing))
         inputs = read_npz(Path(validation) / GOLDEN_INPUTS)
         inter = read_npz(Path(validation) / GOLDEN_INTERMEDIATES)
         for entry in read_meta(inter).get("cases", []):
@@ -67,7 +73,7 @@ def main(bundle: str, validation: str, out: str, device: str, kernels: str = "re
                 continue
             name = entry["name"]
             golden = {k[len(name) + 1:]: v for k, v in inter.items() if k.startswith(name + "/")}
-            cand, outs = device_arrays(weights, golden, inputs[f"{name}/ids"])
+            cand, outs = device_arrays(weights, golden, inputs[f"{name}/ids"], reference_weights=reference)
             cand = _gather_heads(cand, weights.world, weights.device)
             if rank == 0:
                 arrays = {f"cand/{k}": to_numpy(v) for k, v in cand.items()}
