@@ -30,11 +30,13 @@ def test_clean_bundle_passes_every_case(records):
     clean = [r for r in records if r["fault"] is None]
     assert {r["case"] for r in clean} >= {"greedy", "thinking", "tool_call", "multi_turn", "long_context"}
     assert all(r["status"] == "pass" for r in clean), [r["reason"] for r in clean]
-    assert all("added/mixer_out/nmse" in r["checks"] for r in clean if r["case"] != "long_context")
-    # on the CPU validate's teacher-forced pass is the goldens' own teacher-forced BF16 run, so an
-    # added limit widened by noise.added_factor sits that factor above the device's value
-    ratios = [r["added_noise_ratio"] for r in clean if r["case"] != "long_context"]
-    assert ratios and max(ratios) == 1.0
+    # every case has layer checks, the long one (sampled positions) on its recomputed reference
+    assert all("added/mixer_out/nmse" in r["checks"] for r in clean)
+    # on the CPU validate's teacher-forced pass is the goldens' own teacher-forced BF16 run (the
+    # long case's fed a float32 replay of itself in both), so an added limit widened by
+    # noise.added_factor sits that factor above the device's value
+    ratios = [(r["case"], r["added_noise_ratio"]) for r in clean]
+    assert "long_context" in dict(ratios) and all(v == 1.0 for _, v in ratios), ratios
 
 
 def test_planted_faults_are_located(records):

@@ -48,7 +48,9 @@ def _run(bundle: Path, backend=None):
     factory = weights_for(bundle)
     if backend is not None:
         factory = with_backend(factory, backend)
-    rep = validate(bundle, InProcess(factory, "cpu", source=bundle))
+    dut = InProcess(factory, "cpu", source=bundle)
+    dut.kernels = backend
+    rep = validate(bundle, dut)
     return rep, {c.name: c for c in rep.cases}
 
 
@@ -203,6 +205,7 @@ def test_a_kernel_fault_past_256_tokens_is_located_by_the_long_cases_layer_check
     first_kda = next(l for l in range(text.num_hidden_layers) if not text.is_mla(l))
     ff = long.first_failure
     assert (ff.layer, ff.tap, ff.mode) == (first_kda, f"layers.{first_kda}.mixer_out", "added"), ff.line()
+    assert long.kernel_ops == ["kda_chunked_prefill"]  # the report names the op that ran there
     assert all(r.passed for r in long.results if r.mode == "exact")
 
 
