@@ -6,7 +6,8 @@ it and ``report diff`` compares two of them, both through ``read_signoff``.
 
 A verdict names what it judged (``binding``): the sha256 of the bundle's ``manifest.json`` (None
 for a checkpoint), the goldens' content hash, the sha256 of the goldens' ``tolerances.yaml`` and
-the goldens' case list. The checklist ticks from a sign-off only while ``stale_because`` finds
+the goldens' case list (and the path of the tolerance file ``validate --tolerances`` named, whose
+sha256 it then is). The checklist ticks from a sign-off only while ``stale_because`` finds
 all of them equal to the bundle as it is now, and while the run marker of its run key
 (``validate_run_marker``, written by ``validate`` before it judges) names the same run as the
 sign-off: a later run of that key that could not replace the reports (``reports/`` unwritable, a
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from k3bundle.bundle.errors import BundleError
 from k3bundle.errors import JsonFileError
-from k3bundle.file_names import MANIFEST, VALIDATION_DIR, validate_run_marker
+from k3bundle.file_names import GOLDEN_TOLERANCES, MANIFEST, VALIDATION_DIR, validate_run_marker
 from k3bundle.io.files import sha256_file, write_atomic
 from k3bundle.io.strict_json import read_json
 
@@ -74,11 +75,20 @@ def _short(v) -> str:
     return f"{v[:16]}…" if isinstance(v, str) and len(v) > 16 else ("none" if v is None else str(v))
 
 
+def judged_tolerances(bundle: str | Path, signoff: dict) -> Path:
+    """The tolerance file a sign-off judged by: the one ``validate --tolerances`` named (recorded
+    as ``tolerances_file``), else the goldens' own ``tolerances.yaml``."""
+    own = signoff.get("tolerances_file")
+    return Path(own) if isinstance(own, str) and own else Path(bundle) / VALIDATION_DIR / GOLDEN_TOLERANCES
+
+
 def stale_because(signoff: dict, now: dict, marker: dict | None) -> str:
     """'' when ``signoff`` judged exactly ``now`` (``binding``) and is the last run the marker names,
     else "stale: the bundle changed after this sign-off (what changed)"."""
     changed = []
     for key, what in BINDING_FIELDS.items():
+        if key == "tolerances_sha256" and signoff.get("tolerances_file"):
+            what = f"the tolerance file {signoff['tolerances_file']}"
         if key not in signoff:
             return f"stale: the sign-off does not record {what} it judged (an older k3bundle wrote it); rerun validate"
         if signoff[key] != now[key]:

@@ -29,11 +29,11 @@ import numpy as np
 import zstandard
 
 from k3bundle.bundle.errors import BundleError
-from k3bundle.bundle.signoff import binding, read_run_marker, stale_because
+from k3bundle.bundle.signoff import binding, judged_tolerances, read_run_marker, stale_because
 from k3bundle.bundle.signoff_runs import SignoffRun
 from k3bundle.checklist import faults as F
 from k3bundle.errors import JsonFileError
-from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES,
+from k3bundle.file_names import (FAULTS_REPORT, GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIATES,
                                   MANIFEST, PERFORMANCE_REPORT, SOAK_REPORT, VALIDATION_DIR)
 from k3bundle.io.strict_json import loads, read_json
 
@@ -175,7 +175,7 @@ def _signoff_checks(bundle: Path | None, goldens: dict | None, run: SignoffRun |
     if run.doc is None:
         s.missing = f"run {run.key}: {run.why}"
         return s, None
-    stale = stale_because(run.doc, binding(bundle, goldens, bundle / VALIDATION_DIR / GOLDEN_TOLERANCES),
+    stale = stale_because(run.doc, binding(bundle, goldens, judged_tolerances(bundle, run.doc)),
                           read_run_marker(bundle, run.key))
     if stale:
         s.missing = f"{run.path}: {stale}"

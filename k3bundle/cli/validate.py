@@ -22,6 +22,7 @@ EXAMPLES = [
     "k3bundle validate /tmp/k3-bundle --serving",
     "k3bundle validate /data/k3-bundle --dumps /data/vllm-dumps",
     "k3bundle validate /data/k3-bundle --dumps /data/vllm-dumps --cases greedy",
+    "k3bundle validate /data/k3-bundle --device cuda --tolerances /data/cal-h100/tolerances.yaml",
 ]
 
 
@@ -33,6 +34,7 @@ def validate(
     ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
     rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
+    tolerances: Annotated[str | None, typer.Option("--tolerances", help="Judge by this tolerance file (bf16, fp8, mxfp4, or a .yaml, e.g. the one `k3bundle calibrate` wrote for this device) instead of the goldens' own; the sign-off records its path and sha256.")] = None,
     cases: Annotated[list[str] | None, typer.Option("--cases", metavar="NAME[,NAME...]", help="Judge only these golden cases (comma-separated or repeated: --cases greedy,tool_call); the others are reported 'not run', and a --dumps folder needs only their files.")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports/validate/RUN_KEY, RUN_KEY naming what was validated: builtin-cpu, backend-torch-cuda, dumps-NAME, ...; docs/validation.md).")] = None,
     verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
@@ -53,7 +55,7 @@ def validate(
                               rank_results=rank_results, backend=backend, serving=serving)
             with progress_bar("validate", enabled=not json_, stages=True) as update:
                 rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
-                                   cases=[n for c in cases or () for n in c.split(",") if n])
+                                   cases=[n for c in cases or () for n in c.split(",") if n], tolerances=tolerances)
             rep.backend = backend
             files = publish_reports(rep, run, bundle)
     except BaseException:

@@ -26,7 +26,7 @@ from k3bundle.file_names import (GOLDEN_FILES, GOLDEN_INPUTS, GOLDEN_INTERMEDIAT
 from k3bundle.golden.errors import GoldenFileError
 from k3bundle.golden.noise import near_tie_margin
 from k3bundle.golden.store import check_goldens, read_meta, read_npz
-from k3bundle.golden.tolerances import Tolerances, load_tolerances
+from k3bundle.golden.tolerances import Tolerances, load_tolerances, tolerance_path
 from k3bundle.executor.taps import forward_key
 from k3bundle.validate.compare import GreedyResult, TapResult, compare_greedy, nonfinite_text
 from k3bundle.validate.devices import Device, as_tensor
@@ -276,7 +276,8 @@ def select_cases(listed: list[dict], names: Sequence[str] | None) -> list[dict]:
 
 def validate(bundle: str | Path, device: Device, validation: str | Path | None = None,
              progress: Callable[[int, int | None, str], None] | None = None, verify_level: str = "sample",
-             verify_seed: int = 0, cases: Sequence[str] | None = None) -> Report:
+             verify_seed: int = 0, cases: Sequence[str] | None = None,
+             tolerances: str | Path | None = None) -> Report:
     """Judge ``device`` (``validate.device_options.open_device``) against the goldens of ``bundle``.
 
     Args:
@@ -287,14 +288,22 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
             (``check.verify.LEVELS``; ``check_integrity``).
         cases (`list[str]`, optional): judge only these golden cases (the others are reported
             "not run: not selected"); a dump directory then needs only their files.
+        tolerances (`str | Path`, optional): judge by this tolerance file (a shipped name or a
+            .yaml, e.g. one ``k3bundle calibrate`` wrote) instead of the goldens' own; the sign-off
+            records its path and sha256.
     """
     t0 = time.time()
     bundle = Path(bundle)
     vdir = Path(validation) if validation else bundle / VALIDATION_DIR
-    judged_manifest = binding(bundle, {}, vdir / GOLDEN_TOLERANCES)["bundle_manifest_sha256"]
+    tol_file = vdir / GOLDEN_TOLERANCES if tolerances is None else tolerance_path(str(tolerances)).resolve()
+    own_tol = None if tolerances is None else load_tolerances(tol_file)  # bad limits refused before any work
+    judged_manifest = binding(bundle, {}, tol_file)["bundle_manifest_sha256"]
     integrity, problems = check_integrity(bundle, verify_level, verify_seed, reads_weights=device.mode != "dumps")
     inputs, inter, meta, tol = load_goldens(vdir)
-    judged = {**binding(bundle, meta, vdir / GOLDEN_TOLERANCES), "bundle_manifest_sha256": judged_manifest}
+    tol = own_tol or tol
+    judged = {**binding(bundle, meta, tol_file), "bundle_manifest_sha256": judged_manifest}
+    if tolerances is not None:
+        judged["tolerances_file"] = str(tol_file)
     listed = meta.get("cases", [])
     check_same_model(bundle, vdir, inputs, inter, listed)
     chosen = {e["name"] for e in select_cases(listed, cases)}
@@ -320,7 +329,7 @@ def validate(bundle: str | Path, device: Device, validation: str | Path | None =
         case_reports[-1].seconds = time.time() - t_case
     if progress:
         progress(len(listed), len(listed), "")
-    check_unchanged(judged, binding(bundle, meta, vdir / GOLDEN_TOLERANCES))
+    check_unchanged(judged, binding(bundle, meta, tol_file))
     if device.kernels is not None:
         name_kernel_ops(bundle, case_reports, device.kernels.ops)
     return Report(str(bundle), device.mode, device.name, tol, case_reports, meta, time.time() - t0, device.exact_status,
