@@ -51,10 +51,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "tokenizer", "executor", "bundle")),
     ("validate", ("k3bundle", "pages", "metrics") + BASE + ("tokenizer_specials", "executor", "bundle", "provenance", "golden", "kernels")),
+    ("calibrate", ("errors", "file_names", "config", "io", "presets", "storage", "layouts", "ops", "executor", "kernels",
+                   "synth", "convert", "golden", "validate")),
     ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "provenance", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "checkpoint", "presets", "synth", "pull",
              "plan", "executor",
-             "bundle", "convert", "provenance", "checklist", "kernels", "golden", "validate", "demo")),
+             "bundle", "convert", "provenance", "checklist", "kernels", "golden", "validate", "calibrate", "demo")),
     ("__main__", ("cli",)),
 )
 ALLOWED = dict(LAYERS)

@@ -1,4 +1,4 @@
-"""The calibration harness (bench/calibrate.py), small: one trained-tiny bundle, CPU.
+"""The calibration harness (k3bundle.calibrate), small: one trained-tiny bundle, CPU.
 
 The full run is a benchmark (docs/validation.md "Calibration"); here one job checks that the
 harness records a clean bundle's checks and that planted faults are detected and located at
@@ -7,13 +7,12 @@ the tap where they were planted, and that the separation/rate summaries read tho
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-calibrate = pytest.importorskip("calibrate")
+from k3bundle.calibrate import jobs, records as records_, tables
+from k3bundle.calibrate.tolerance_for import TOLERANCE_FOR
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,7 @@ def records(tmp_path_factory):
            "long_tokens": 96, "threads": 2, "clean": True, "worker": "t",
            "faults": ["dt_bias", "router_bias", "transposed_shard", "weight_1e-3", "kda_state_late",
                       "mla_row_dropped"]}
-    return calibrate.run_job(job)
+    return jobs.run_job(job)
 
 
 def test_clean_bundle_passes_every_case(records):
@@ -60,11 +59,11 @@ def test_clean_bundle_reproduces_the_goldens_exactly(records):
 
 
 def test_summaries_read_the_records(records):
-    sep = calibrate.separation(records)
+    sep = tables.separation(records)
     t = sep["added/mixer_out/nmse"]
     assert t["clean_n"] >= 4 and t["clean_worst"] < 3e-4  # the bf16 limit holds on the trained model
     assert t["fault_best"] is not None and t["fault_best"] > t["clean_worst"]
-    rates = calibrate.rates(records, None)
+    rates = tables.rates(records)
     assert rates["clean_bundle_failures"] == 0 and rates["clean_bundles"] == 1
     assert all(v["located"] == v["runs"] == 1 for v in rates["faults"].values())
 
@@ -75,7 +74,7 @@ CAL = REPO / "tolerances" / "calibration"
 
 
 def _calibration_records():
-    return calibrate.load_records([CAL / "records-2026-12-01-cpu-calibration.jsonl.gz",
+    return records_.load_records([CAL / "records-2026-12-01-cpu-calibration.jsonl.gz",
                                    CAL / "records-2026-12-01-cpu-calibration-2.jsonl.gz",
                                    CAL / "records-2026-12-03-cuda-exact.jsonl.gz"], None)
 
@@ -88,15 +87,15 @@ def test_shipped_limits_sit_between_clean_and_faulted(name):
     from k3bundle.golden.tolerances import load_tolerances, tolerance_path
     recs = [r for r in _calibration_records() if r["seed"] in range(5)]
     path = tolerance_path(name)
-    layouts = [k for k, v in calibrate.TOLERANCE_FOR.items() if v == name]
-    table = calibrate.separation([r for r in recs if r["layout"] in layouts])
+    layouts = [k for k, v in TOLERANCE_FOR.items() if v == name]
+    table = tables.separation([r for r in recs if r["layout"] in layouts])
     tol = load_tolerances(path)
     expected = {k: t["clean_worst"] for k, t in table.items()
-                if t["clean_worst"] is not None and k.rsplit("/", 1)[1] in calibrate.GATED}
+                if t["clean_worst"] is not None and k.rsplit("/", 1)[1] in tables.GATED}
     assert set(tol.calibrated_clean_worst) == set(expected)
     for k, v in expected.items():
         assert tol.calibrated_clean_worst[k] == pytest.approx(v, rel=1e-7, abs=1e-12), k
-    rows = {r["key"]: r for r in calibrate.limit_rows(table, tol)}
+    rows = {r["key"]: r for r in tables.limit_rows(table, tol)}
     teacher_forced = [k for k in rows if k.split("/")[0] in ("added", "router")]
     assert len(teacher_forced) >= 10
     for k in teacher_forced:
@@ -114,8 +113,8 @@ def test_the_exact_gpu_limit_sits_far_between_clean_and_faulted():
     from k3bundle.golden.tolerances import load_tolerances, tolerance_path
     clean = [r for r in _calibration_records() if r["device"] == "cuda" and r["seed"] in range(5)]
     assert len({(r["preset"], r["seed"], r["layout"]) for r in clean}) == 12
-    faulted = calibrate.load_records([CAL / "records-2026-12-03-cuda-exact-faults.jsonl.gz"], None)
-    table = calibrate.separation(clean + faulted)
+    faulted = records_.load_records([CAL / "records-2026-12-03-cuda-exact-faults.jsonl.gz"], None)
+    table = tables.separation(clean + faulted)
     keys = [k for k in table if k.startswith("exact_gpu/") and k.endswith("/nmse")]
     assert len(keys) == 6
     located = [table[k]["fault_best"] for k in keys if table[k]["fault_best"] is not None]
@@ -123,6 +122,6 @@ def test_the_exact_gpu_limit_sits_far_between_clean_and_faulted():
     for name in ("bf16", "fp8", "mxfp4"):
         tol = load_tolerances(tolerance_path(name))
         for k in keys:
-            limit = calibrate.limit_of(tol, k)
+            limit = tables.limit_of(tol, k)
             assert limit >= 100 * table[k]["clean_worst"], (name, k)
             assert table[k]["fault_best"] is None or table[k]["fault_best"] >= 100 * limit, (name, k)

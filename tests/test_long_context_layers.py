@@ -9,12 +9,12 @@ its positions tapped), made from the bundle itself; each test judges it in this 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from k3bundle.calibrate.bundle_edits import read_tensor, write_tensor  # one way to corrupt a bundle in place
 from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_npz
 from k3bundle.validate.device_options import weights_for, with_backend
@@ -23,8 +23,6 @@ from k3bundle.validate.run import validate
 from tests._bundles import bundle_with_goldens, one_torch_thread
 from tests.conftest import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-from calibrate import read_tensor, write_tensor  # noqa: E402  (one way to corrupt a bundle in place)
 
 LAYOUT = REPO / "tests" / "layouts" / "tiny-tp2.yaml"
 LONG = 300  # the long case's filler tokens (its prompt: 319, past 4 KDA chunks of 64; 48 positions tapped)

@@ -18,8 +18,7 @@ from k3bundle.golden.generate import generate_goldens
 from k3bundle.golden.store import read_meta, read_npz
 from tests.conftest import REPO, run_cli
 
-sys.path.insert(0, str(REPO / "bench"))
-from calibrate import read_tensor, write_tensor  # noqa: E402  (one way to corrupt a bundle in place)
+from k3bundle.calibrate.bundle_edits import read_tensor, write_tensor  # one way to corrupt a bundle in place
 
 LAYOUTS = REPO / "tests" / "layouts"  # tiny-tp2 (TP 2) and tiny-ep2 (TP 2 + EP 2)
 

@@ -133,7 +133,7 @@ def test_the_exact_check_runs_on_cuda_and_sees_a_weight_change_below_bf16(work, 
     relative change of layer 5's mixer weights — below BF16's resolution, so no added check can."""
     import random
 
-    from calibrate import _perturb_layer
+    from k3bundle.calibrate.weight_faults import perturb_layer
     b = _copy(work["tiny-tp2"], tmp_path)
     shutil.rmtree(b / "validation")
     cases = tmp_path / "cases"
@@ -143,11 +143,11 @@ def test_the_exact_check_runs_on_cuda_and_sees_a_weight_change_below_bf16(work, 
     r, data = _validate(b, "--device", "cuda")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
     assert data["exact_check"].startswith("ran: float32 on cuda against goldens made on cpu"), data["exact_check"]
-    where = _perturb_layer(1e-3)(b, read_npz(b / "validation" / "golden_intermediates.npz"), random.Random(0))
+    where = perturb_layer(1e-3)(b, read_npz(b / "validation" / "golden_intermediates.npz"), random.Random(0))
     r, data = _validate(b, "--device", "cuda")
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-2000:])
     ff = [c for c in data["cases"] if c["status"] == "fail"][0]["first_failure"]
-    assert (ff["layer"], ff["tap"], ff["mode"]) == (*where, "exact_gpu")
+    assert (ff["layer"], ff["tap"], ff["mode"]) == (where.layer, where.tap, "exact_gpu")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])

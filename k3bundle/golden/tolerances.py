@@ -73,10 +73,13 @@ class Tolerances:
     noise: dict[str, float] = field(default_factory=dict)
     exact_gpu: dict[str, dict[str, float]] = field(default_factory=dict)
     path: str = ""
-    # the calibration the limits were set from (bench/calibrate.py): which run, and the worst
+    # the calibration the limits were set from (k3bundle calibrate): which run, and the worst
     # value every check ("mode/tap kind/metric") reached on clean bundles there
     calibration_run: str = ""
     calibrated_clean_worst: dict[str, float] = field(default_factory=dict)
+    # ... and (k3bundle calibrate) the least severe located fault of every check, and the rates
+    calibrated_fault_best: dict[str, float] = field(default_factory=dict)
+    calibration_rates: dict = field(default_factory=dict)
 
     def limits(self, section: str, tap: str) -> dict[str, float]:
         """Limits for a tap: its kind's entry over the section's ``default``."""
@@ -145,21 +148,62 @@ def load_tolerances(path: str | Path) -> Tolerances:
             if bad:
                 raise ToleranceError(f"{path}: {section}.{bad[0]} is not one of {', '.join(sorted(keys))}")
             out[section] = {k: _num(v, f"{section}.{k}", str(path)) for k, v in body.items()}
-    run, worst = _calibration(data.get("calibration"), str(path))
+    run, worst, fault_best, rates = _calibration(data.get("calibration"), str(path))
     return Tolerances(name=str(data.get("format", path.stem)), path=str(path), calibration_run=run,
-                      calibrated_clean_worst=worst, **out)
+                      calibrated_clean_worst=worst, calibrated_fault_best=fault_best, calibration_rates=rates, **out)
 
 
-def _calibration(body, path: str) -> tuple[str, dict[str, float]]:
-    """``calibration: {run: TEXT, clean_worst: {"mode/kind/metric": value}}`` (evidence, not limits)."""
-    if body is None:
-        return "", {}
-    if not isinstance(body, dict) or set(body) - {"run", "clean_worst"} or not isinstance(body.get("run", ""), str):
-        raise ToleranceError(f"{path}: calibration must be a mapping of run (text) and clean_worst (mapping)")
-    worst = body.get("clean_worst") or {}
-    if not isinstance(worst, dict):
-        raise ToleranceError(f"{path}: calibration.clean_worst must map mode/kind/metric to a value")
-    for key in worst:
+def _checks(body, field: str, path: str) -> dict[str, float]:
+    """A calibration mapping of "mode/tap kind/metric" keys to values."""
+    if not isinstance(body, dict):
+        raise ToleranceError(f"{path}: calibration.{field} must map mode/kind/metric to a value")
+    for key in body:
         if not isinstance(key, str) or key.count("/") != 2 or key.rsplit("/", 1)[1] not in METRICS:
-            raise ToleranceError(f"{path}: calibration.clean_worst.{key} is not mode/tap kind/metric")
-    return body.get("run", ""), {k: _num(v, f"calibration.clean_worst.{k}", path) for k, v in worst.items()}
+            raise ToleranceError(f"{path}: calibration.{field}.{key} is not mode/tap kind/metric")
+    return {k: _num(v, f"calibration.{field}.{k}", path) for k, v in body.items()}
+
+
+def _count(v, where: str, path: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ToleranceError(f"{path}: {where} must be a count (an integer >= 0), got {v!r}")
+    return v
+
+
+def _rates(body, path: str) -> dict:
+    """``calibration.rates``: clean bundles and cases with their failures, and per fault
+    {runs, detected, located} (``k3bundle calibrate``)."""
+    clean = ("clean_bundles", "clean_bundle_failures", "clean_cases", "clean_case_failures")
+    if not isinstance(body, dict) or set(body) - {*clean, "faults"}:
+        raise ToleranceError(f"{path}: calibration.rates must be a mapping of {', '.join(clean)} and faults")
+    out = {k: _count(body[k], f"calibration.rates.{k}", path) for k in clean if k in body}
+    faults = body.get("faults") or {}
+    if not isinstance(faults, dict):
+        raise ToleranceError(f"{path}: calibration.rates.faults must map a fault to its runs, detected, located")
+    out["faults"] = {}
+    for name, r in faults.items():
+        if not isinstance(r, dict) or set(r) != {"runs", "detected", "located"}:
+            raise ToleranceError(f"{path}: calibration.rates.faults.{name} must be {{runs, detected, located}}")
+        out["faults"][str(name)] = {k: _count(v, f"calibration.rates.faults.{name}.{k}", path) for k, v in r.items()}
+    return out
+
+
+def _calibration(body, path: str) -> tuple[str, dict[str, float], dict[str, float], dict]:
+    """``calibration: {run: TEXT, clean_worst: {"mode/kind/metric": value}}`` (evidence, not limits);
+    ``k3bundle calibrate`` adds ``fault_best`` (the least severe located fault's value of each
+    check), ``rates``, ``widened`` ({key: [old, new]}) and ``not_separated`` (keys)."""
+    if body is None:
+        return "", {}, {}, {}
+    known = {"run", "clean_worst", "fault_best", "rates", "widened", "not_separated"}
+    if not isinstance(body, dict) or set(body) - known or not isinstance(body.get("run", ""), str):
+        raise ToleranceError(f"{path}: calibration must be a mapping of run (text), clean_worst and fault_best "
+                             "(mappings), rates, widened and not_separated")
+    widened = body.get("widened") or {}
+    if not isinstance(widened, dict) or not all(isinstance(v, list) and len(v) == 2 for v in widened.values()):
+        raise ToleranceError(f"{path}: calibration.widened must map mode/kind/metric to [old, new]")
+    _checks({k: v[1] for k, v in widened.items()}, "widened", path)
+    lost = body.get("not_separated") or []
+    if not isinstance(lost, list) or not all(isinstance(k, str) for k in lost):
+        raise ToleranceError(f"{path}: calibration.not_separated must be a list of mode/kind/metric")
+    rates = _rates(body["rates"], path) if body.get("rates") is not None else {}
+    return (body.get("run", ""), _checks(body.get("clean_worst") or {}, "clean_worst", path),
+            _checks(body.get("fault_best") or {}, "fault_best", path), rates)

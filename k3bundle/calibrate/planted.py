@@ -1,0 +1,24 @@
+"""What a planted fault is: where it was planted (the layer and tap a located first failure
+names), and for a fault of the device side of a run, what the device does wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Planted:
+    """The layer and tap where the fault enters the computation: validate's first failure
+    must name both for the fault to count as located."""
+
+    layer: int
+    tap: str
+
+
+@dataclass(frozen=True)
+class DeviceSide:
+    """A device whose run of a clean bundle is wrong: ``after_step(step, cache)`` handles the
+    cache between decode steps (``executor.case.run_case``)."""
+
+    after_step: Callable | None = None
