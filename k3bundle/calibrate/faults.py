@@ -16,6 +16,11 @@ from k3bundle.calibrate import device_faults, weight_faults
 from k3bundle.errors import K3Error
 
 
+#: a case whose prompt spans several KDA chunks (260 tokens of the tiny tokenizer: four chunk
+#: boundaries) with every position tapped: the greedy case's prompt fits in one chunk
+CHUNKED_CASE = "thinking"
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
@@ -39,8 +44,14 @@ def _catalogue() -> dict[str, Fault]:
         Fault("weight_1e-3", "bundle", w.perturb_layer(1e-3)),
         Fault("weight_1e-2", "bundle", w.perturb_layer(1e-2)),
         Fault("weight_1e-1", "bundle", w.perturb_layer(1e-1)),
+        Fault("nan_weight", "bundle", w.nan_weight),
+        Fault("router_bias_sign", "bundle", w.router_bias_sign),
         Fault("kda_state_late", "device", d.kda_state_late),
         Fault("mla_row_dropped", "device", d.mla_row_dropped),
+        Fault("silu_experts", "device", d.silu_experts),
+        Fault("kda_chunk_carry", "device", d.kda_chunk_carry, case=CHUNKED_CASE),
+        Fault("conv_state_stuck", "device", d.conv_state_stuck),
+        Fault("l2norm_missing_decode", "device", d.l2norm_missing_decode),
     ]
     return {f.name: f for f in faults}
 

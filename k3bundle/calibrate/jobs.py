@@ -24,6 +24,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from k3bundle.calibrate.planted import DeviceSide
 from k3bundle.calibrate.records import JOB_KEYS, added_noise_ratio, summarise
 from k3bundle.calibrate.tolerance_for import tolerance_for
 from k3bundle.errors import K3Error
+from k3bundle.ops.contract import REFERENCE, Backend
 
 RECORDS = "records.jsonl"
 Log = Callable[[str], None]
@@ -82,8 +84,9 @@ def judge(bundle: Path, device: str, cases: list[str] | None, backend: str | Non
         kern = load(backend)
         kern.setup(device)
     factory = weights_for(bundle, device)
-    if kern is not None:
-        factory = with_backend(factory, kern)
+    run = faulted_kernels(kern, side)
+    if run is not None:
+        factory = with_backend(factory, run)
     dev = InProcess(factory, backend_label(device, kern), after_step=side and side.after_step, source=bundle)
     names = [e["name"] for e in meta["cases"] if e.get("status") == "ok" and (cases is None or e["name"] in cases)]
     dev.prepare(bundle / "validation", names)
@@ -95,9 +98,20 @@ def judge(bundle: Path, device: str, cases: list[str] | None, backend: str | Non
     return reps, inter
 
 
+def faulted_kernels(kern: Backend | None, side: DeviceSide | None) -> Backend | None:
+    """The kernels the device runs: ``kern`` (None: the reference), with the layers a device
+    fault gets wrong running its ops over ``kern``'s (None: the reference, no fault)."""
+    if side is None or not side.kernels:
+        return kern
+    base = kern or REFERENCE
+    return replace(base, layers={l: Backend(f"{base.name}, planted fault", {**base.ops, **ops})
+                                 for l, ops in side.kernels.items()})
+
+
 def _located(rec: dict) -> str:
-    ff = rec.get("first_failure") or {}
-    return f"{rec.get('status')}, first failure {ff.get('tap')} ({ff.get('mode')})" if ff else rec.get("status", "")
+    ff, planted = rec.get("first_failure") or {}, (rec.get("planted") or {}).get("tap")
+    said = f"{rec.get('status')}, first failure {ff.get('tap')} ({ff.get('mode')})" if ff else rec.get("status", "")
+    return f"planted {planted}; {said}" if planted else said
 
 
 def run_job(job: dict, log: Log = _quiet) -> list[dict]:
@@ -139,47 +153,51 @@ def run_job(job: dict, log: Log = _quiet) -> list[dict]:
     else:
         from k3bundle.golden.store import read_npz
         inter = read_npz(bundle / "validation" / "golden_intermediates.npz")
-    cased = set(_case_names(bundle))
     for name in job["faults"]:
-        f = catalogue_fault(name)
-        if f.case not in cased:
-            records.append({**base, "fault": name, "case": f.case, "status": "n/a",
-                            "reason": f"the goldens have no case {f.case!r}"})
-            continue
-        if f.kind == "device":
-            from k3bundle.config import load_config
-            side, where = f.plant(load_config(bundle).text)
-            reps, _ = judge(bundle, job["device"], [f.case], backend, side)
-            records += [{**base, "fault": name, "planted": {"layer": where.layer, "tap": where.tap},
-                         **summarise(r, taps=True)} for r in reps]
-            log(f"fault {name}: planted {where.tap}; {_located(records[-1])}")
-            continue
-        fb = root / f"fault-{job['worker']}"
-        shutil.rmtree(fb, ignore_errors=True)
-        shutil.copytree(bundle, fb)
-        where = f.plant(fb, inter, random.Random(seed))
-        if where is None:
-            records.append({**base, "fault": name, "case": f.case, "status": "n/a",
-                            "reason": "no such tensor in this layout"})
-            continue
-        planted = {"layer": where.layer, "tap": where.tap}
-        try:
-            reps, _ = judge(fb, job["device"], [f.case], backend)
-        except K3Error as e:  # refused before any arithmetic (e.g. replicas that differ): named, exit 2
-            from k3bundle.executor.taps import layer_of
-            records.append({**base, "fault": name, "planted": planted, "case": f.case, "status": "refused",
-                            "first_failure": {"layer": layer_of(str(e)), "tap": None, "mode": "refused"},
-                            "reason": str(e)})
-        else:
-            records += [{**base, "fault": name, "planted": planted, **summarise(r, taps=True)} for r in reps]
-        log(f"fault {name}: planted {where.tap}; {_located(records[-1])}")
-        shutil.rmtree(fb, ignore_errors=True)
+        recs = judge_fault(bundle, inter, name, job["device"], backend, root / f"fault-{job['worker']}", seed)
+        records += [{**base, **r} for r in recs]
+        log(f"fault {name}: {_located(records[-1])}")
     shutil.rmtree(bundle, ignore_errors=True)
     if not job.get("keep_checkpoint"):
         shutil.rmtree(ckpt, ignore_errors=True)
     for r in records:
         r["seconds"] = round(time.time() - t0, 1)
     return records
+
+
+def judge_fault(bundle: Path, inter: dict, name: str, device: str, backend: str | None, work: Path,
+                seed: int) -> list[dict]:
+    """Fault ``name`` of the catalogue judged on its case: on a copy of the clean ``bundle`` at
+    ``work`` with the defect (a bundle fault; ``inter``: the goldens' intermediates, ``seed``
+    seeds its draw) or on ``bundle`` run wrongly (a device fault). Returns its records, without
+    the job's keys: the case's ``summarise`` with every check's values and where the fault was
+    planted; ``status`` "n/a" where the goldens lack its case or the layout the tensor,
+    "refused" where validate refused the bundle before any arithmetic (named, as exit 2 would)."""
+    f = catalogue_fault(name)
+    if f.case not in _case_names(bundle):
+        return [{"fault": name, "case": f.case, "status": "n/a", "reason": f"the goldens have no case {f.case!r}"}]
+    if f.kind == "device":
+        from k3bundle.config import load_config
+        side, where = f.plant(load_config(bundle).text)
+        reps, _ = judge(bundle, device, [f.case], backend, side)
+        return [{"fault": name, "planted": {"layer": where.layer, "tap": where.tap}, **summarise(r, taps=True)}
+                for r in reps]
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(bundle, work)
+    try:
+        where = f.plant(work, inter, random.Random(seed))
+        if where is None:
+            return [{"fault": name, "case": f.case, "status": "n/a", "reason": "no such tensor in this layout"}]
+        planted = {"layer": where.layer, "tap": where.tap}
+        try:
+            reps, _ = judge(work, device, [f.case], backend)
+        except K3Error as e:  # refused before any arithmetic (e.g. replicas that differ): named, exit 2
+            from k3bundle.executor.taps import layer_of
+            return [{"fault": name, "planted": planted, "case": f.case, "status": "refused",
+                     "first_failure": {"layer": layer_of(str(e)), "tap": None, "mode": "refused"}, "reason": str(e)}]
+        return [{"fault": name, "planted": planted, **summarise(r, taps=True)} for r in reps]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _case_names(bundle: Path) -> list[str]:

@@ -90,3 +90,21 @@ def perturb_layer(scale: float):
         return Planted(5, "layers.5.mixer_out")
     fault.__doc__ = f"Every BF16/F32 tensor of layer 5's KDA mixer × (1 + {scale:g}·N(0,1)) on every rank."
     return fault
+
+
+def nan_weight(bundle: Path, golden: dict, rng) -> Planted:
+    """One NaN weight: a single element of layer 3's MLA q_b_proj on rank 0 (drawn by the seed)
+    made NaN, as a corrupted write or an overflowed conversion leaves it; nothing crashes."""
+    e = entries(bundle, "layers.3.self_attn.q_b_proj.weight", rank=0)[0]
+    t = read_tensor(bundle, e)
+    t.view(-1)[rng.randrange(t.numel())] = float("nan")
+    write_tensor(bundle, e, t)
+    return Planted(3, "layers.3.mixer_out")
+
+
+def router_bias_sign(bundle: Path, golden: dict, rng) -> Planted:
+    """Layer 5's router correction bias with its sign flipped on every rank (a converter that
+    negates e_score_correction_bias): the selection favours the experts it should hold back."""
+    for e in entries(bundle, "layers.5.block_sparse_moe.gate.e_score_correction_bias"):
+        write_tensor(bundle, e, -read_tensor(bundle, e))
+    return Planted(5, "layers.5.router_ids")

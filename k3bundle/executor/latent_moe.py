@@ -25,7 +25,7 @@ import torch
 
 from k3bundle.config import TextConfig
 from k3bundle.executor.norms import compute_dtype, linear, rms_norm
-from k3bundle.executor.situ_glu import glu
+from k3bundle.executor.situ_glu import glu, situ
 from k3bundle.executor.weights import EXPERT_ROLES
 from k3bundle.formats import mxfp4
 from k3bundle.ops.contract import REFERENCE, Backend
@@ -107,8 +107,9 @@ def margin_noise(x_TD, w_ED, s_TE, top_TK1, k: int, u: float) -> torch.Tensor:
     return torch.linalg.vector_norm(s_T2 * (1 - s_T2) * logit_std_T2, dim=-1)
 
 
-def routed(z_TL, ids_TK, w_TK, expert, situ_beta: float, situ_cap: float) -> torch.Tensor:
-    """(R5) r = Σ_{i∈I} w_i E_i(z) in the compute dtype; ``expert(e)`` -> {role: weight} or None."""
+def routed(z_TL, ids_TK, w_TK, expert, situ_beta: float, situ_cap: float, act=situ) -> torch.Tensor:
+    """(R5) r = Σ_{i∈I} w_i E_i(z) in the compute dtype; ``expert(e)`` -> {role: weight} or None;
+    ``act``: the experts' gate activation (``glu``)."""
     r_TL = torch.zeros(z_TL.shape, dtype=w_TK.dtype, device=z_TL.device)
     for e in torch.unique(ids_TK).tolist():
         E = expert(e)  # dequantized now, only because some token picked it
@@ -116,7 +117,7 @@ def routed(z_TL, ids_TK, w_TK, expert, situ_beta: float, situ_cap: float) -> tor
             continue
         tok_N, slot_N = (ids_TK == e).nonzero(as_tuple=True)
         y_NL = glu(z_TL[tok_N], E["moe.expert.w1"], E["moe.expert.w3"], E["moe.expert.w2"],
-                   situ_beta, situ_cap)  # (R5) E_i(z)
+                   situ_beta, situ_cap, act=act)  # (R5) E_i(z)
         # the combine accumulates in FP32; a token picks an expert at most once, so no repeats in tok_N
         r_TL[tok_N] += w_TK[tok_N, slot_N, None] * y_NL.to(w_TK.dtype)  # (R5) Σ w_i E_i(z)
         del E

@@ -264,12 +264,12 @@ class Executor:
         fed = lambda kind, own, cast=True: self._fed(feed, f"layers.{l}.{kind}", own, cast)  # noqa: E731
         x_TD = stream.mixer_input(l, W["attn_res.norm"], W["attn_res.proj"])  # (A2.1-2)
         n_TD = rms_norm(fed("attn_res_out", x_TD), W["input_norm"], eps)
-        state = cache.layers[l]
+        state, ops = cache.layers[l], self.ops.for_layer(l)
         if t.is_mla(l):
-            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode, ops=self.ops, fast=self.forms == "fast").out_TD  # (M1-M5)
+            a_TD = mla.forward(n_TD, W, state, t, absorbed=decode, ops=ops, fast=self.forms == "fast").out_TD  # (M1-M5)
             snaps = {n: state.truncated(start + n) for n in boundaries}
         else:
-            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries, self.ops,
+            mixer = kda.forward(n_TD, W, state, t, decode, self.chunk, boundaries, ops,
                                 fast=self.forms == "fast")  # (K1-K7)
             cache.layers[l] = mixer.state
             a_TD, snaps = mixer.out_TD, mixer.snapshots
@@ -280,7 +280,7 @@ class Executor:
         if t.is_moe(l):
             forced = self.forced_routes.get(f"layers.{l}.router_ids")
             forced = None if forced is None else forced[start:start + m_TD.shape[0]]
-            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False), self.ops,
+            moe = latent_moe.forward(m_TD, W, t, fed("router_ids", forced, cast=False), ops,
                                      fast=self.forms == "fast")  # (R1-R7)
             f_TD, route = moe.out_TD, moe.route
         else:

@@ -32,17 +32,19 @@ def cap(u: torch.Tensor, limit: float) -> torch.Tensor:
 ROW_BLOCK = 8192
 
 
-def glu(x_TD: torch.Tensor, w_gate_ID, w_up_ID, w_down_DI, beta: float, limit: float, mm=linear) -> torch.Tensor:
+def glu(x_TD: torch.Tensor, w_gate_ID, w_up_ID, w_down_DI, beta: float, limit: float, mm=linear,
+        act=situ) -> torch.Tensor:
     """(S3) for any of the three FFN kinds; returns the activation dtype. ``mm(x, w)`` is the
-    projection (``linear``; the fast MoE form passes one that reads MXFP4 weights directly)."""
+    projection (``linear``; the fast MoE form passes one that reads MXFP4 weights directly);
+    ``act(g, beta)`` the gate's activation (``situ``; a stand-in is a planted device fault)."""
     if x_TD.dim() == 2 and x_TD.shape[0] > ROW_BLOCK:
-        return torch.cat([glu(x_TD[s:s + ROW_BLOCK], w_gate_ID, w_up_ID, w_down_DI, beta, limit, mm)
+        return torch.cat([glu(x_TD[s:s + ROW_BLOCK], w_gate_ID, w_up_ID, w_down_DI, beta, limit, mm, act)
                           for s in range(0, x_TD.shape[0], ROW_BLOCK)])
     c = compute_dtype(x_TD)
     # the activation is computed in FP32 from the activation-dtype projections (S3)
     gate_TI = mm(x_TD, w_gate_ID).to(c)
     up_TI = mm(x_TD, w_up_ID).to(c)
-    h_TI = situ(gate_TI, beta) * cap(up_TI, limit)  # (S3)
+    h_TI = act(gate_TI, beta) * cap(up_TI, limit)  # (S3)
     # cast back before the down projection, as a serving kernel's bf16 GEMM input
     h_TI = h_TI.to(x_TD.dtype)
     return mm(h_TI, w_down_DI)  # (S3)

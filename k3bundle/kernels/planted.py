@@ -27,8 +27,8 @@ from k3bundle.ops.expert_weight import ExpertWeight
 from k3bundle.kernels.torch_ops import e2m1_values, e8m0_pow2
 
 
-def _kda_ops(gates):
-    """Prefill and decode ops of the reference with ``gates`` in place of ``kda.gates``."""
+def kda_ops(gates) -> dict:
+    """Prefill and decode ops of the reference with ``gates`` in place of ``kda.gates`` (K2-K4)."""
 
     def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, *, lower_bound, chunk=kda.CHUNK):
         cu, outs, finals = [int(x) for x in cu_seqlens], [], []
@@ -112,8 +112,8 @@ def _mla_decode_128(q_nope, q_pe, latent, lengths, w_kvb, gate, *, scale):
 BUGS: dict[str, tuple[str, dict]] = {
     "kda_state_transposed": ("KDA prefill writes its final state transposed",
                              {"kda_chunked_prefill": _transposed_state_prefill}),
-    "gate_no_lower_bound": ("KDA gate without its -5 lower bound (softplus form)", _kda_ops(_softplus_gates)),
-    "beta_no_sigmoid": ("KDA beta not through sigmoid", _kda_ops(_raw_beta_gates)),
+    "gate_no_lower_bound": ("KDA gate without its -5 lower bound (softplus form)", kda_ops(_softplus_gates)),
+    "beta_no_sigmoid": ("KDA beta not through sigmoid", kda_ops(_raw_beta_gates)),
     "mxfp4_nvfp4_scale_stride": ("MXFP4 E8M0 scales read with an NVFP4 stride (16)",
                                  {"mxfp4_weight_gemm_grouped": _stride_experts}),
     "router_bias_in_weights": ("router bias added to the combine weights",

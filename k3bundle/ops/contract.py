@@ -171,9 +171,16 @@ class Backend:
     setup_fn: Callable | None = None
     warnings: tuple[str, ...] = ()  # e.g. a function named near an op but none (kernels.backend.near_misses)
     module: str = ""  # the module its ops come from, for reports ("" where it is none)
+    # the kernels of particular layers, in place of this set: a kernel wrong in one layer only
+    # (a device fault of calibrate's catalogue, k3bundle.calibrate.device_faults)
+    layers: dict[int, Backend] = field(default_factory=dict)
 
     def provides(self, op: str) -> bool:
         return op in self.ops
+
+    def for_layer(self, layer: int) -> Backend:
+        """The kernels layer ``layer`` runs: its own set where ``layers`` has one, else this one."""
+        return self.layers.get(layer, self)
 
     def op(self, name: str, reference: Callable) -> Callable:
         """The backend's implementation of op ``name``, else ``reference`` (the caller's own form)."""
