@@ -14,7 +14,7 @@ import torch
 
 from k3bundle.bundle.open_weights import open_weights
 from k3bundle.executor.cache import KDAState
-from k3bundle.executor.cache_bytes import from_bytes, to_bytes
+from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.case import golden_routes
 from k3bundle.executor.serving import CacheIO, uninterrupted
 from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
@@ -71,7 +71,7 @@ def served(tmp_path_factory, tiny_trained_ckpt):
     return {"src": src, "golden": golden, "ids": ids, "weights": weights, "ref": ref}
 
 
-def _paths(served, io=CacheIO(), load="k3bundle.executor.cache_bytes:from_bytes"):
+def _paths(served, io=CacheIO(), load="k3bundle.executor.cache_handoff:from_bytes"):
     handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load=load)
     run = run_paths(served["weights"], served["golden"], served["ids"], handoff, io, ref=served["ref"])
     from k3bundle.golden.tolerances import load_tolerances
@@ -137,7 +137,7 @@ def test_a_decoding_process_that_fails_is_one_line_and_fails_the_path(served):
     from k3bundle.validate.serving import HandoffError, PathPair, judge_path
 
     ref = served["ref"]
-    handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load="k3bundle.executor.cache_bytes:no_such_load")
+    handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load="k3bundle.executor.cache_handoff:no_such_load")
     with pytest.raises(HandoffError) as e:
         handoff.decode(to_bytes(ref.saved), ref.logits[-1], [1, 2], {})
     assert "\n" not in str(e.value) and "no_such_load" in str(e.value), str(e.value)

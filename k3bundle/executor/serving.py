@@ -3,7 +3,7 @@
 A serving engine does not run a request as one prefill and a decode loop. It keeps a prefix's
 cache (KDA states are valid only where they were taken, so at chunk boundaries: docs/kimi-k3.md
 §5.3), restores it for the next turn, and may prefill on one machine and decode on another,
-moving the cache as bytes (``cache_bytes``). Each path here runs the same model on the same
+moving the cache as bytes (``cache_handoff``). Each path here runs the same model on the same
 tokens and expert choices as the uninterrupted run, so it must give the same outputs:
 
 - ``uninterrupted``: prefill the whole prompt (snapshots at chunk boundaries), decode the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3bundle.executor.cache import ModelCache
-from k3bundle.executor.cache_bytes import from_bytes, to_bytes
+from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.model import Executor
 
 

@@ -10,7 +10,7 @@ tokens) is the reference, and three paths must equal it:
   is off the chunk grid: the snapshot at the chunk boundary before it restored and the tail
   *recomputed* up to the turn boundary (a KDA state is kept only at chunk boundaries), then the
   next turn prefilled, then decode;
-- ``handoff``: the prefill's whole cache serialised (``executor.cache_bytes``), restored in
+- ``handoff``: the prefill's whole cache serialised (``executor.cache_handoff``), restored in
   another process (``python -m k3bundle.validate.serving``), decoded there; its size is reported.
 
 Checks, in the order a fault propagates (the first failure locates it):
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from k3bundle.executor.cache import KDAState, ModelCache
-from k3bundle.executor.cache_bytes import from_bytes, to_bytes
+from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.case import golden_routes
 from k3bundle.executor.serving import CacheIO, PathRun, chunk_grid, decode_from, resume, uninterrupted
 from k3bundle.golden.tolerances import Tolerances
@@ -230,7 +230,7 @@ class Handoff:
     source: str
     policy: str
     device: str
-    load: str = "k3bundle.executor.cache_bytes:from_bytes"  # the decoding engine's load (a planted fault replaces it)
+    load: str = "k3bundle.executor.cache_handoff:from_bytes"  # the decoding engine's load (a planted fault replaces it)
 
     def decode(self, data: bytes, last_V: torch.Tensor, tokens: list[int], routes: dict) -> PathRun:
         with tempfile.TemporaryDirectory(prefix="k3-handoff-") as tmp:

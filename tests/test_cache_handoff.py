@@ -13,7 +13,7 @@ import torch
 
 from k3bundle.executor import Executor, SourceWeights
 from k3bundle.executor.cache import KDAState
-from k3bundle.executor.cache_bytes import CacheFormatError, from_bytes, to_bytes
+from k3bundle.executor.cache_handoff import CacheFormatError, from_bytes, to_bytes
 
 
 def doc_reader(data: bytes) -> tuple[dict, list[dict[str, np.ndarray]]]:
