@@ -11,6 +11,10 @@
 #   clean   held-out clean bundles on CPU, every shipped storage format (b300-tp8 NVFP4, gb300-dep16
 #           MXFP4 pass-through, mi355x-tp8 FP8), tiny and tiny-trained, seeds CLEAN_SEEDS
 #           (default 1400-1409: 60 bundles), long context at LONG_TOKENS (default 8192)
+#   small   held-out clean `small` bundles on CPU (13 layers, width 1,024), SMALL_SEEDS (default
+#           1400-1401) x every shipped layout, long context at LONG_TOKENS, SMALL_WORKERS (default 3)
+#   fullwidth  held-out clean `full-width` bundles on CPU (release widths, 4 layers), FW_SEEDS
+#           (default 1400-1401), b300-tp8 and gb300-dep16, long context at FW_LONG_TOKENS (default 1024)
 #   fulldepth  clean full-depth bundles (93 layers), FD_SEEDS (default 1-5), bench/full_depth_seeds.sh
 # Usage: bash bench/device_checks.sh [STAGE ...] (default: all), through the device tool with
 # carry [".whl"]. CAL_SECONDS bounds the added stage (default 420).
@@ -37,6 +41,16 @@ for stage in $STAGES; do
             --no-faults $(alt ${CS%-*} ${CS#*-}) --layout b300-tp8 --layout gb300-dep16 --layout mi355x-tp8 \
             > "$OUT/clean-cpu.log" 2>&1
           gzip -c /tmp/cal-clean-cpu/records.jsonl > "$OUT/clean-cpu.jsonl.gz") & ;;
+  small) (SS=${SMALL_SEEDS:-1400-1401}; OMP_NUM_THREADS=1 timeout ${CAL_SECONDS:-420} python3 bench/calibrate.py run \
+            --threads 1 --long-tokens ${LONG_TOKENS:-8192} --out /tmp/cal-small-cpu --device cpu --workers ${SMALL_WORKERS:-3} \
+            --no-faults --preset small:$SS --layout b300-tp8 --layout gb300-dep16 --layout mi355x-tp8 \
+            > "$OUT/small-cpu.log" 2>&1
+          gzip -c /tmp/cal-small-cpu/records.jsonl > "$OUT/small-cpu.jsonl.gz") & ;;
+  fullwidth) (OMP_NUM_THREADS=2 timeout ${CAL_SECONDS:-420} python3 bench/calibrate.py run \
+            --threads 2 --long-tokens ${FW_LONG_TOKENS:-1024} --out /tmp/cal-fw-cpu --device cpu --workers ${FW_WORKERS:-2} \
+            --no-faults --preset full-width:${FW_SEEDS:-1400-1401} --layout b300-tp8 --layout gb300-dep16 \
+            > "$OUT/fullwidth-cpu.log" 2>&1
+          gzip -c /tmp/cal-fw-cpu/records.jsonl > "$OUT/fullwidth-cpu.jsonl.gz") & ;;
   fulldepth) (SEEDS="${FD_SEEDS:-1 2 3 4 5}" JOBS=5 OMP_NUM_THREADS=3 timeout 580 bash bench/full_depth_seeds.sh \
             "$OUT/full-depth" > "$OUT/full-depth.txt" 2>&1) & ;;
   *) echo "unknown stage $stage"; exit 2 ;;
