@@ -53,10 +53,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("validate", ("k3bundle", "pages", "metrics") + BASE + ("tokenizer_specials", "executor", "bundle", "provenance", "golden", "kernels")),
     ("calibrate", ("errors", "file_names", "config", "io", "presets", "storage", "layouts", "ops", "executor", "kernels",
                    "synth", "convert", "golden", "validate")),
+    ("serve", ("errors", "io", "tokenizer_specials", "tokenizer", "chat", "executor", "bundle")),
+    ("endpoint", ("k3bundle", "errors", "file_names", "io", "tokenizer", "chat", "golden")),
     ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "provenance", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "checkpoint", "presets", "synth", "pull",
              "plan", "executor",
-             "bundle", "convert", "provenance", "checklist", "kernels", "golden", "validate", "calibrate", "demo")),
+             "bundle", "convert", "provenance", "checklist", "kernels", "golden", "validate", "calibrate", "serve", "endpoint",
+             "demo")),
     ("__main__", ("cli",)),
 )
 ALLOWED = dict(LAYERS)

@@ -1,0 +1,24 @@
+"""``k3bundle serve``: an OpenAI-compatible HTTP server over the built-in executor (docs/endpoint.md).
+
+``Engine`` (engine.py) holds the model and runs one request at a time; ``create_app`` (app.py)
+is the FastAPI app of routes; ``serve`` runs it with uvicorn.
+"""
+
+from k3bundle.serve.engine import FAULT_ENV, FAULTS, Engine
+from k3bundle.serve.errors import ServeError
+
+
+def create_app(engine: Engine):
+    from k3bundle.serve.app import create_app as _create  # fastapi is imported only when serving
+
+    return _create(engine)
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+    """Serve ``engine`` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+
+
+__all__ = ["FAULTS", "FAULT_ENV", "Engine", "ServeError", "create_app", "serve"]

@@ -1,0 +1,197 @@
+"""``k3bundle serve`` over the trained tiny model, driven with the official openai client.
+
+Oracles: the executor's own greedy loop (``Executor.generate``, the loop ``k3bundle run`` prints)
+run here on the same checkpoint; the chat renderer and XTML parser called here on the same
+conversation and on the token ids the server reports; the error statuses and messages the
+OpenAI API documents.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests._bundles import single_threaded_torch  # noqa: F401  (autouse: one torch thread)
+from tests._serving import serving
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 512  # --max-model-len: a request past it costs nothing to build
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_trained_ckpt):
+    from k3bundle.serve import Engine
+
+    return Engine(tiny_trained_ckpt, max_model_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving(engine) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def encoding(tiny_trained_ckpt):
+    from k3bundle.tokenizer import load_tiktoken
+
+    return load_tiktoken(tiny_trained_ckpt)
+
+
+@pytest.fixture(scope="module")
+def thinking_case():
+    from k3bundle.golden.cases import load_case
+
+    return load_case(REPO / "golden" / "cases" / "thinking.yaml")
+
+
+def test_models_lists_the_served_model(client, tiny_trained_ckpt):
+    models = client.models.list().data
+    assert [m.id for m in models] == [tiny_trained_ckpt.name]
+    assert models[0].model_extra["max_model_len"] == CONTEXT
+
+
+def test_completion_token_ids_are_the_executors_greedy_tokens(client, encoding, tiny_trained_ckpt):
+    from k3bundle.bundle.open_weights import open_weights
+    from k3bundle.executor import Executor
+
+    prompt = encoding.encode("A checkpoint is a set of files. Most of the bytes live in", disallowed_special=())
+    steps = 6
+    want = Executor(open_weights(tiny_trained_ckpt, "float32", "cpu")).generate(prompt, steps).tokens
+
+    r = client.completions.create(model=tiny_trained_ckpt.name, prompt=prompt, max_tokens=steps, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == want
+    assert c.model_extra["prompt_token_ids"] == prompt
+    assert c.text == encoding.decode(want)
+    assert c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), steps)
+
+    # the same prompt as text, streamed: the same tokens, one per chunk, and usage at the end
+    text = encoding.decode(prompt)
+    chunks = list(client.completions.create(model=tiny_trained_ckpt.name, prompt=text, max_tokens=steps,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    ids = [i for ch in chunks for c in ch.choices for i in c.model_extra["token_ids"]]
+    assert ids == want
+    assert "".join(c.text for ch in chunks for c in ch.choices) == encoding.decode(want)
+    assert chunks[-1].usage.completion_tokens == steps
+
+
+def test_chat_streamed_and_not_give_the_same_split(client, encoding, thinking_case, tiny_trained_ckpt):
+    from k3bundle.chat import parse, render_ids
+
+    req = dict(model=tiny_trained_ckpt.name, messages=thinking_case.messages, max_tokens=24, temperature=0,
+               extra_body={"return_token_ids": True, "chat_template_kwargs": {"thinking_effort": "max"}})
+    r = client.chat.completions.create(**req)
+    m, ids = r.choices[0].message, r.choices[0].model_extra["token_ids"]
+    assert r.model_extra["prompt_token_ids"] == render_ids(thinking_case.messages, encoding, thinking=True,
+                                                           thinking_effort="max")
+    want = parse(ids, thinking=True, encoding=encoding)
+    assert (m.model_extra["reasoning_content"], m.content) == (want.reasoning, want.content)
+    assert want.reasoning  # the trained model thinks first: the split is not vacuous
+    assert r.usage.completion_tokens == len(ids)
+
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **req))
+    deltas = [c.delta for ch in chunks for c in ch.choices]
+    assert "".join(d.content or "" for d in deltas) == m.content
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == want.reasoning
+    assert [i for ch in chunks for c in ch.choices for i in c.model_extra.get("token_ids") or []] == ids
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == [r.choices[0].finish_reason]
+
+
+def test_thinking_off_renders_the_response_channel(client, encoding, thinking_case, tiny_trained_ckpt):
+    from k3bundle.chat import parse, render_ids
+
+    r = client.chat.completions.create(model=tiny_trained_ckpt.name, messages=thinking_case.messages, max_tokens=8,
+                                       temperature=0, extra_body={"return_token_ids": True,
+                                                                  "chat_template_kwargs": {"thinking": False}})
+    assert r.model_extra["prompt_token_ids"] == render_ids(thinking_case.messages, encoding, thinking=False)
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] is None
+    assert m.content == parse(r.choices[0].model_extra["token_ids"], thinking=False, encoding=encoding).content
+
+
+def test_a_request_past_the_context_is_a_400_and_the_server_keeps_serving(client, tiny_trained_ckpt):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=tiny_trained_ckpt.name, prompt=[65] * (CONTEXT - 4), max_tokens=5,
+                                  temperature=0)
+    assert e.value.status_code == 400
+    assert f"maximum context length is {CONTEXT} tokens" in e.value.body["message"]
+    assert f"requested {CONTEXT + 1} tokens ({CONTEXT - 4} in the prompt, 5 in the completion)" in e.value.body["message"]
+    r = client.completions.create(model=tiny_trained_ckpt.name, prompt=[65] * (CONTEXT - 5), max_tokens=5, temperature=0)
+    assert r.usage.total_tokens <= CONTEXT
+
+
+@pytest.mark.parametrize("change, status, words", [
+    ({"model": "no-such-model"}, 404, "does not exist"),
+    ({"temperature": 0.7}, 400, "greedily"),
+    ({"n": 2}, 400, "one choice"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "role 'robot'"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"max_tokens": 0}, 400, "at least 1"),
+])
+def test_bad_requests_are_openai_style_errors(url, tiny_trained_ckpt, change, status, words):
+    import json
+
+    body = {"model": tiny_trained_ckpt.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **change}
+    req = urllib.request.Request(url + "/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status
+    err = json.loads(e.value.read())["error"]
+    assert err["code"] == status and words in err["message"] and err["type"]
+
+
+def test_out_of_vocabulary_ids_are_a_400(client, encoding, tiny_trained_ckpt):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=tiny_trained_ckpt.name, prompt=[1, encoding.n_vocab], max_tokens=1,
+                                  temperature=0)
+    assert f"token id {encoding.n_vocab} is out of range" in e.value.body["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_serves_until_interrupted(tiny_trained_ckpt):
+    port = _free_port()
+    env = {**os.environ, "K3BUNDLE_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-m", "k3bundle", "serve", str(tiny_trained_ckpt), "--port", str(port),
+                          "--served-model-name", "tt", "--max-model-len", "256"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    body = r.read().decode()
+                break
+            except OSError:
+                assert p.poll() is None, p.stderr.read()
+                assert time.monotonic() < deadline, "serve did not answer in 120 s"
+                time.sleep(0.5)
+        assert '"id":"tt"' in body and '"max_model_len":256' in body
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    assert "serving tt at http://127.0.0.1:" in err
