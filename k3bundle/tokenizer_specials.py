@@ -81,6 +81,10 @@ MEDIA_PAD = "<|media_pad|>"
 UNK = "[UNK]"
 PAD = "[PAD]"
 
+#: The media block's four tokens, in id order (docs/chat.md, media tokens): for K3
+#: 163602..163605; ``<|media_pad|>`` is config ``media_placeholder_token_id``.
+MEDIA_TOKENS: tuple[str, ...] = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
+
 # The pre-tokenizer regex, literally as ``tokenization_kimi.py`` builds it (NEMO-TOK
 # ``_build_kimi_k3_pat_str``; the same string is in google-deepmind/simply's K3 tokenizer and
 # in the K2 family's ``tokenization_kimi.py``). Alternatives, in order: Han runs; a
@@ -128,6 +132,12 @@ def named_special_ids(vocab_size: int) -> dict[str, int]:
     return {s.name: vocab_size - s.offset_from_end for s in NAMED_SPECIALS}
 
 
+def media_ids(vocab_size: int) -> dict[str, int]:
+    """The media block's four tokens -> id, for a vocabulary of ``vocab_size``."""
+    ids = named_special_ids(vocab_size)
+    return {name: ids[name] for name in MEDIA_TOKENS}
+
+
 def special_tokens(vocab_size: int) -> dict[str, int]:
     """All 256 special tokens (named and reserved) -> id, in id order."""
     base = num_mergeable(vocab_size)
@@ -141,6 +151,9 @@ def _check_table() -> None:
     assert len(set(offsets)) == len(offsets) and len(set(names)) == len(names)
     assert all(1 <= o <= NUM_SPECIAL for o in offsets)
     assert offsets == sorted(offsets, reverse=True)
+    # the media block's tokens are four consecutive ids in the order begin, content, end, pad
+    media = [s.offset_from_end for s in NAMED_SPECIALS if s.name in MEDIA_TOKENS]
+    assert media == [media[0] - i for i in range(len(MEDIA_TOKENS))]
 
 
 _check_table()

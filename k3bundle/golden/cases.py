@@ -19,6 +19,8 @@ from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import YamlFileError
 from k3bundle.golden.errors import CaseError
 from k3bundle.io.strict_yaml import read_yaml
+from k3bundle.media import MediaError, media_tokens
+from k3bundle.media.synthetic import ImageSpec, parse_spec
 
 KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
 _KEYS = {"schema_version", "name", "kind", "description", "prompt", "messages", "tools", "render",
@@ -58,6 +60,7 @@ class Case:
     tools: list | None = None
     long_context: dict | None = None
     requires: tuple[str, ...] = ()
+    image: ImageSpec | None = None  # the synthetic image of an image case (media.synthetic)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -76,7 +79,18 @@ class Case:
         if self.long_context is not None:
             target = self.long_context["target_tokens"] if long_tokens is None else check_long_tokens(long_tokens)
             return _long_ids(self, encoding, target)
-        return render_ids(self.messages, encoding, tools=self.tools, **self.render)
+        return render_ids(self.messages, encoding, tools=self.tools, images=self.media_blocks(), **self.render)
+
+    def media_blocks(self) -> list[tuple[int, int, int]] | None:
+        """The image's media block for the renderer: (width, height, <|media_pad|> count)."""
+        if self.image is None:
+            return None
+        return [(self.image.width, self.image.height, media_tokens(self.image.width, self.image.height))]
+
+
+def _image_parts(messages: list) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") in ("image", "image_url"))
 
 
 _WORDS = ("tensor shard rank expert block scale layer token cache state kernel device manifest "
@@ -203,10 +217,20 @@ def load_case(path: str | Path) -> Case:
         _int_in(long, "target_tokens", "long_context.", 1, MAX_TOKENS, path)
         _check(_is_int(long.get("filler_seed", 0)), path, "long_context.filler_seed must be an integer")
         _check(isinstance(long.get("question", ""), str), path, "long_context.question must be a string")
+    image = None
+    _check(("image" in data) == (data["kind"] == "image"), path, "an image case, and only an image case, "
+                                                                 "declares image: {kind, width, height}")
+    if "image" in data:
+        try:
+            image = parse_spec(data["image"], str(path))
+        except MediaError as e:
+            raise CaseError(str(e)) from None
+        parts = _image_parts(data.get("messages") or [])
+        _check(parts == 1, path, f"an image case's messages need exactly one image part, found {parts}")
     return Case(name=data["name"], kind=data["kind"], description=data.get("description", ""),
                 steps=steps, taps=plan, source=str(path), render=render, prompt=data.get("prompt"),
                 messages=data.get("messages"), tools=data.get("tools"),
-                long_context=data.get("long_context"), requires=tuple(requires), raw=data)
+                long_context=data.get("long_context"), requires=tuple(requires), image=image, raw=data)
 
 
 def check_context(cases: list[Case], built: dict[str, list[int]], context: object, config: str) -> None:
