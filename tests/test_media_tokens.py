@@ -65,6 +65,10 @@ def test_the_image_case_renders_on_the_tiny_tokenizer(tiny_dir):
     assert len(starts) == 1 and ids.count(T_PAD) == 4
     assert "kimi_image_placeholder" not in enc.decode(ids)
     assert enc.decode(ids[starts[0] + len(block):]).startswith("What pattern is in this image?")
+    # what the vision tower gets fills exactly those positions: 16 patches -> 4 merged tokens
+    image = case.image_input()
+    assert tuple(image.patches.shape) == (16, 3, 14, 14) and image.grid_thw == (1, 4, 4)
+    assert image.num_tokens * 4 == image.patches.shape[0] and image.size == (56, 56)
 
 
 def _copy(src, dst):

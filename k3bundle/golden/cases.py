@@ -20,7 +20,7 @@ from k3bundle.errors import YamlFileError
 from k3bundle.golden.errors import CaseError
 from k3bundle.io.strict_yaml import read_yaml
 from k3bundle.media import MediaError, media_tokens
-from k3bundle.media.synthetic import ImageSpec, parse_spec
+from k3bundle.media.synthetic import ImageSpec, make_image, parse_spec
 
 KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image")
 _KEYS = {"schema_version", "name", "kind", "description", "prompt", "messages", "tools", "render",
@@ -80,6 +80,14 @@ class Case:
             target = self.long_context["target_tokens"] if long_tokens is None else check_long_tokens(long_tokens)
             return _long_ids(self, encoding, target)
         return render_ids(self.messages, encoding, tools=self.tools, images=self.media_blocks(), **self.render)
+
+    def image_input(self):
+        """The case's image preprocessed for the vision tower (``media.image.ImageInput``), or None."""
+        if self.image is None:
+            return None
+        from k3bundle.media.image import preprocess_array  # Pillow, only where pixels are needed
+
+        return preprocess_array(make_image(self.image), self.source)
 
     def media_blocks(self) -> list[tuple[int, int, int]] | None:
         """The image's media block for the renderer: (width, height, <|media_pad|> count)."""
