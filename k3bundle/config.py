@@ -155,6 +155,16 @@ class VisionConfig:
     patch_embed_proj_bias: bool = False
     attn_bias: bool = False
     linear_bias: bool = False
+    # the choices the executor's vision math is written for (docs/kimi-k3.md §3.9); it refuses others
+    init_pos_emb_time: int = 4
+    pos_emb_type: str = "divided_fixed"
+    pos_emb_interpolation_mode: str = "bilinear"
+    norm_type: str = "rmsnorm"
+    activation_func: str = "gelu_pytorch_tanh"
+    mlp_type: str = "mlp2"
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    projector_hidden_act: str = "gelu"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 

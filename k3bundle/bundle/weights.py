@@ -378,6 +378,11 @@ class BundleWeights(WeightSource):
     def global_tensor(self, role: str) -> torch.Tensor:
         return self._keep((role, None), lambda: self._tensor(role, None))
 
+    def vision_tensor(self, role: str, block: int | None = None) -> torch.Tensor:
+        if self.config.vision is None:
+            raise BundleError(f"{self.root}: config.json has no vision_config; the bundle has no vision tower")
+        return self._keep((role, block), lambda: self._tensor(role, block))
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.rank is None:
             return x

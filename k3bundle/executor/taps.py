@@ -64,6 +64,33 @@ LAYER_TAPS = tuple(s for s in TAPS if s.where != "model")
 #: kinds a tolerance file may give limits to (router ids are judged as sets, margins not at all)
 JUDGED_KINDS = tuple(s.kind for s in TAPS if s.judged in ("tensor", "logits"))
 
+#: the vision tower's taps (docs/kimi-k3.md §3.9): whole tensors, one row per patch or merged
+#: token of every image in order (no token-position axis); ``vision_tap`` names them
+VISION_TAPS: tuple[TapSpec, ...] = (
+    TapSpec("patch_embed", "vision", True, "tensor", False, "[N, Dv]",
+            "patch embedding plus position terms (V1), N patches of all images"),
+    TapSpec("block_out", "vit_block", True, "tensor", False, "[N, Dv]", "encoder block b's output (V2)"),
+    TapSpec("merger", "vision", True, "tensor", False, "[M, kh·kw, Dv]",
+            "after the final norm (V3) and the sd2_tpool merge (V4), M merged tokens"),
+    TapSpec("projector", "vision", True, "tensor", False, "[M, D]",
+            "projector output (V5): the rows that replace <|media_pad|> embeddings"),
+)
+VISION_SPEC: dict[str, TapSpec] = {s.kind: s for s in VISION_TAPS}
+
+
+def vision_tap(kind: str, block: int | None = None) -> str:
+    """``vision.patch_embed``, ``vision.blocks.3.block_out``, ``vision.merger``, ``vision.projector``."""
+    spec = VISION_SPEC[kind]
+    return f"vision.blocks.{block}.{kind}" if spec.where == "vit_block" else f"vision.{kind}"
+
+
+def vision_tap_names(vision) -> list[str]:
+    """Every vision tap of a model with this ``VisionConfig``, in forward order."""
+    names = [vision_tap("patch_embed")]
+    names += [vision_tap("block_out", b) for b in range(vision.vt_num_hidden_layers)]
+    return names + [vision_tap("merger"), vision_tap("projector")]
+
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -150,6 +150,10 @@ class WeightSource(ABC):
     def global_tensor(self, role: str) -> torch.Tensor:
         """final_norm, out_res.norm, out_res.proj, lm_head."""
 
+    def vision_tensor(self, role: str, block: int | None = None) -> torch.Tensor:
+        """A vision tower or projector tensor by role (``vit.*`` per encoder ``block``, ``proj.*``)."""
+        raise ExecutorError(f"{type(self).__name__} holds no vision tensors")
+
     #: KDA heads held by this source (a TP rank holds a slice); None = all of them
     kda_heads: int | None = None
     #: the kernels every executor on this source runs (``k3bundle.kernels``); None = the reference
@@ -340,6 +344,11 @@ class SourceWeights(WeightSource):
 
     def global_tensor(self, role: str) -> torch.Tensor:
         return self._read(role)
+
+    def vision_tensor(self, role: str, block: int | None = None) -> torch.Tensor:
+        if self.config.vision is None:
+            raise ExecutorError(f"{self.src.dir}: config.json has no vision_config; the checkpoint has no vision tower")
+        return self._read(role, block)
 
     def close(self) -> None:
         if self._reader is not None:
