@@ -15,9 +15,9 @@ before the next layer is read, so peak memory is one layer plus activations [T, 
 next: prefill uses the chunked KDA form and the naive MLA form, decode (T = 1) the KDA
 recurrence and the absorbed MLA form on the latent cache.
 
-This file holds the only layer loop (``_forward``) and the only layer step (``layer``).
-Everything that runs the model goes through them: ``prefill``/``decode``/``decode_steps``
-(stateful serving-style calls), ``teacher_forced`` (every layer fed golden inputs, so each
+This file holds the only single-request layer loop (``_forward``) and layer step (``layer``);
+``batching`` runs the same steps for many requests on a padded grid. Everything that runs
+the model goes through them: ``prefill``/``decode``/``decode_steps`` (stateful serving-style calls), ``teacher_forced`` (every layer fed golden inputs, so each
 layer's output carries only the error it adds), and ``k3bundle.executor.case.run_case`` (one
 golden case: prefill with taps and snapshots, then greedy or teacher-forced decode), which
 ``golden``, ``validate`` (in-process and every distributed rank) and ``run`` share.
