@@ -30,7 +30,7 @@ from k3bundle.data_dirs import data_dirs
 from k3bundle.errors import K3Error, YamlFileError
 from k3bundle.formats import mxfp4
 from k3bundle.io.strict_yaml import read_yaml
-from k3bundle.schema.roles import ROLES, Role
+from k3bundle.schema.roles import ROLES, Role, Section
 from k3bundle.storage import (AS_STORED, CONVENTIONS, ENTRY_POINT_GROUP, LAYOUT_NAMES, STORAGE, layout_format,
                               storage_for)
 
@@ -52,6 +52,9 @@ MAX_FLOPS = 1e18  # FLOP/s per card and dtype: 1 EFLOP/s
 MAX_FILE_BYTES = 1 << 40  # 1 TiB per device file
 MAX_ALIGNMENT = 1 << 20  # 1 MiB: the data buffer of a device file starts at a multiple of it
 MAX_PAD_MULTIPLE = 65536
+#: formats that keep a role's released bytes: the vision tower and projector take only these (their
+#: TP rule is ``replicate``, docs/kimi-k3.md §5.1, and every rank of stage 0 holds them verbatim)
+VERBATIM_FORMATS = (AS_STORED, "bf16")
 PEAK_FLOPS_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp6", "fp4", "mxfp4", "nvfp4")
 
 
@@ -358,16 +361,23 @@ def _formats(data: Any, conv: str, p: _Problems) -> tuple[FormatRule, ...]:
     # every role gets the format of its first matching rule; that format must fit the role and
     # be one the layout's convention can name
     probe = Layout("", "", Card("", 1, 1, 1, 1, {}), Parallel(1), out, conv)
+    recoded_vision: dict[str, list[str]] = {}  # pattern -> the vision / projector roles it would recode
     for role in ROLES:
         r = probe.rule_for(role)
         why = LAYOUT_NAMES[r.format].fits(r.format, role)
-        if why:
+        if role.section is not Section.TEXT and r.format not in VERBATIM_FORMATS:
+            recoded_vision.setdefault(r.pattern, []).append(role.role)
+        elif why:
             p.add("format-source-dtype", f"formats[{r.pattern!r}]: {why}")
         elif conv in CONVENTIONS and not storage_for(r.format, role).named_under(conv):
             names = ", ".join(f.name for f in STORAGE.values() if f.named_under(conv))
             p.add("format-convention", f"formats[{r.pattern!r}]: {role.role} would be stored "
                                        f"{storage_for(r.format, role).name}, which the {conv} convention cannot "
                                        f"name (it names {names})")
+    for pattern, roles in recoded_vision.items():
+        p.add("vision-as-released", f"formats[{pattern!r}] would recode {', '.join(roles)}; the vision tower "
+                                    f"and projector are kept as released (BF16, replicated): put "
+                                    f"'vit.*': source and 'proj.*': source before it")
     return out
 
 
