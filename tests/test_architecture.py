@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bundle", BASE + ("storage", "layouts", "plan", "ops", "executor")),
     ("convert", ("k3bundle",) + BASE + ("storage", "layouts", "plan", "bundle")),
     ("provenance", BASE + ("storage", "layouts", "plan", "bundle", "convert")),
-    ("checklist", ("pages",) + BASE + ("storage", "layouts", "plan", "ops", "executor", "bundle", "provenance")),
+    ("checklist", ("pages",) + BASE + ("media", "storage", "layouts", "plan", "ops", "executor", "bundle", "provenance")),
     ("kernels", ("pages",) + BASE + ("data_dirs", "layouts", "plan", "ops", "executor", "bundle", "checklist")),
     ("golden", ("k3bundle", "metrics") + BASE + ("chat", "media", "tokenizer", "executor", "bundle")),
     ("validate", ("k3bundle", "pages", "metrics") + BASE + ("tokenizer_specials", "executor", "bundle", "provenance", "golden", "kernels")),

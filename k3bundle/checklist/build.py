@@ -17,6 +17,7 @@ from k3bundle.checklist.op_reports import op_status, read_kernel_report
 from k3bundle.checklist.roofline import Roofline, roofline
 from k3bundle.checklist.serving import Serving, apply_to_layout, cache_manifest
 from k3bundle.checklist.stages import Stage, evaluate_stages
+from k3bundle.checklist.vision import VisionRoofline, vision_roofline
 from k3bundle.config import load_config, release_config_path
 from k3bundle.errors import JsonFileError
 from k3bundle.file_names import CONFIG, GRAPH_MANIFEST, MANIFEST
@@ -47,6 +48,7 @@ class Checklist:
     signoff_how: str = ""  # how it was chosen, or why there is none
     signoff_runs: list[SignoffRun] = field(default_factory=list)  # every run in reports/validate/, newest first
     sources: dict[str, str] = field(default_factory=dict)  # section -> where its figures come from (figure_sources)
+    vision: VisionRoofline | None = None  # one image through the tower and projector (checklist.vision)
 
     @property
     def passed(self) -> bool:
@@ -94,7 +96,8 @@ class Checklist:
             "parallel": {"tp": p.tp, "attention_dp": p.attention_dp, "ep": p.ep, "moe_tp": p.moe_tp, "pp": p.pp,
                          "pp_layers": list(self.plan.stage_layers)},
             "passed": self.passed, "summary": self.summary(),
-            "capacity": self.capacity.to_dict(), "roofline": self.roofline.to_dict(),
+            "capacity": self.capacity.to_dict(),
+            "roofline": self.roofline.to_dict() | {"vision": None if self.vision is None else self.vision.to_dict()},
             "kernels": [k.to_dict() | self._op_conformance(k.op) for k in self.kernels],
             "fault_paths": [f.to_dict() for f in FAULT_PATHS],
             "soak": [{"key": k, "requirement": r} for k, r in SOAK_REQUIREMENTS],
@@ -230,4 +233,5 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
             f"the config {cfg_path}" if config is not None else f"the {model}")
     sources = figure_sources(what, plan.config.text, release, report, why, bdir is not None)
     return Checklist(layout.name, model, str(bdir) if bdir is not None else None, plan, context, batch, cap, roof,
-                     kernels, stages, op_status([k.op for k in kernels], report, why), signoff, how, runs, sources)
+                     kernels, stages, op_status([k.op for k in kernels], report, why), signoff, how, runs, sources,
+                     vision_roofline(plan))

@@ -11,7 +11,7 @@ from k3bundle.checklist.capacity import CAPACITY_MARGIN
 from k3bundle.checklist.conformance import kernel_conformance
 from k3bundle.checklist.faults import FAULT_PATHS, SOAK_REQUIREMENTS
 from k3bundle.checklist.quantity import Quantity, gb
-from k3bundle.checklist.render import engine_lines
+from k3bundle.checklist.render import engine_lines, vision_intro
 from k3bundle.checklist.roofline import Phase
 from k3bundle.file_names import GRAPH_MANIFEST, SIGNOFF_RUNS_DIR, SOAK_REPORT
 from k3bundle.pages.html import COLOURS, badge, esc, meta, page, table
@@ -72,6 +72,16 @@ def _phase(ph: Phase, title: str) -> str:
                              f"{s['t_memory_s'] * 1e3:.3f} ms", f"{s['t_compute_s'] * 1e3:.3f} ms",
                              f"{s['bound_s'] * 1e3:.3f} ms"] for s in ph.stages], num=(1, 2, 3, 4, 5, 6)))
     return "\n".join(parts)
+
+
+def _vision(cl: Checklist) -> str:
+    """The vision tower's per-image bound (nothing for a model without one)."""
+    v = cl.vision
+    if v is None:
+        return ""
+    return "\n".join(["<h3>Vision tower and projector (per image)</h3>", f"<p>{esc(vision_intro(cl))}</p>",
+                      f"<p><b>{esc(v.bound.label)} {esc(v.bound.text)}</b></p>", _quantities(v.bytes),
+                      _quantities(v.flops), _quantities([v.t_memory, v.t_compute, v.bound])])
 
 
 def _kernels(cl: Checklist) -> str:
@@ -154,6 +164,7 @@ def to_html(cl: Checklist) -> str:
         f"parameters: {roof.active_params:,}). Communication, norms, AttnRes and launch overheads are left out, so "
         "every number is a lower bound (docs/bring-up.md).</p>",
         _phase(roof.decode, "Decode (per output token)"), _phase(roof.prefill, "Prefill (to the first token)"),
+        _vision(cl),
         "<h2 id='kernels'>3. Kernel coverage</h2>", _source(cl, "kernels"),
         f"<p class='muted'>Primitives the target must implement (<code>{GRAPH_MANIFEST}</code> custom_ops), shapes "
         "per rank; an op with a backend contract in its notation (docs/kernels.md \"Op contracts\": arguments → "

@@ -15,6 +15,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from k3bundle.checklist.quantity import flops
+from k3bundle.checklist.vision import describe, row_flops, vision_shapes
 from k3bundle.executor.kda import CHUNK
 from k3bundle.ops.contract import OP_CONTRACTS, Arg
 from k3bundle.plan import Plan
@@ -140,10 +142,14 @@ def _gemm_shapes(plan: Plan, roles: list[str]) -> str:
 
 
 def _vision_shapes(plan: Plan) -> str:
-    v = plan.config.vision
-    heads = v.vt_num_attention_heads
-    return (f"q, k, v [patches, {heads}, {v.qkv_hidden_size // heads}] with 2-D RoPE on the ({v.patch_size}-px) "
-            f"patch grid, width {v.vt_hidden_size}, non-causal within each image; replicated on stage 0")
+    """The tower's attention at the stated image (``checklist.vision``: the media size rule's grid)."""
+    s = vision_shapes(plan)
+    if s is None:
+        v = plan.config.vision
+        return (f"patch {v.patch_size} or merge {v.merge_kernel_size} is not the processor's: no image grid; "
+                f"width {v.vt_hidden_size}, {v.vt_num_attention_heads} heads; replicated on stage 0")
+    return (f"{describe(s)}; {flops(sum(row_flops(s).values()))} per image (roofline: vision); "
+            "replicated on stage 0, one card per image")
 
 
 def kernel_coverage(plan: Plan, manifest: dict) -> list[Kernel]:

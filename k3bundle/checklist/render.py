@@ -58,6 +58,26 @@ def _phase(ph: Phase, title: str) -> list[str]:
     return lines + [""]
 
 
+def vision_intro(cl: Checklist) -> str:
+    """What the vision bound is of: the image, its grid, and the rule that gives them."""
+    s = cl.vision.shapes
+    return (f"One {s.width:,} × {s.height:,} image, padded by the processor's size rule to {s.padded[0]:,} × "
+            f"{s.padded[1]:,} (docs/vision.md): {s.grid[0]} × {s.grid[1]} = {s.patches:,} patches through "
+            f"{s.blocks} blocks, {s.tokens:,} merged tokens through the projector. The tower is replicated on "
+            "stage 0, so one card encodes one image: t ≥ max(weight bytes / HBM bandwidth, FLOPs / peak). "
+            "Activations, norms and RoPE are left out, which keeps the bound a lower bound.")
+
+
+def vision_lines(cl: Checklist) -> list[str]:
+    """The vision tower's per-image bound, or nothing for a model without one."""
+    if cl.vision is None:
+        return []
+    v = cl.vision
+    return (["### Vision tower and projector (per image)", "", vision_intro(cl), "",
+             f"**{v.bound.label} {v.bound.text}**", ""]
+            + _table(v.bytes) + [""] + _table(v.flops) + [""] + _table([v.t_memory, v.t_compute, v.bound]) + [""])
+
+
 def to_markdown(cl: Checklist) -> str:
     """The whole checklist as Markdown."""
     lay = cl.plan.layout
@@ -109,11 +129,12 @@ def to_markdown(cl: Checklist) -> str:
               f"{roof.active_params:,}; the rest are norms, convs and AttnRes vectors).", ""]
     lines += _phase(roof.decode, "Decode (per output token)")
     lines += _phase(roof.prefill, "Prefill (to the first token)")
+    lines += vision_lines(cl)
     lines += ["## 3. Kernel coverage", "", f"Source: {cl.sources['kernels']}", "",
               f"Primitives the target must implement (`{GRAPH_MANIFEST}` custom_ops), shapes per rank at this layout; "
               "an op with a backend contract is shown in its notation (docs/kernels.md \"Op contracts\": arguments "
               "→ results, T tokens in a step, B requests, N sequences, S keys attended; a tensor with no dtype is in "
-              "the activation dtype). Op conformance: `{KERNELS_REPORT}` "
+              f"the activation dtype). Op conformance: `{KERNELS_REPORT}` "
               f"(`k3bundle kernels --out BUNDLE/{REPORTS_DIR}`) ticks the ops it covered and passed.", "",
               "| op | decoder layers | op conformance | shapes per rank | spec |", "|---|---|---|---|---|"]
     for k in cl.kernels:
