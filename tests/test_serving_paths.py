@@ -73,7 +73,7 @@ def served(tmp_path_factory, tiny_trained_ckpt):
 
 def _paths(served, io=CacheIO(), load="k3bundle.executor.cache_handoff:from_bytes"):
     handoff = Handoff(str(served["src"]), DEVICE_POLICY, "cpu", load=load)
-    run = run_paths(served["weights"], served["golden"], served["ids"], handoff, io, ref=served["ref"])
+    run = run_paths(served["weights"], served["golden"], served["ids"], handoff, io, ref=served["ref"], batching=False)
     from k3bundle.golden.tolerances import load_tolerances
 
     tol = load_tolerances(served["src"] / "validation" / "tolerances.yaml")
@@ -86,7 +86,7 @@ def test_validate_serving_passes_and_reports_every_path(served):
     data = json.loads(r.stdout)
     paths = {p["path"]: p for p in data["cases"][0]["serving"]}
     assert {k: p["status"] for k, p in paths.items()} == {"resume_chunk": "pass", "resume_turn": "pass",
-                                                         "handoff": "pass"}
+                                                         "handoff": "pass", "batching": "pass"}
     ids = served["ids"]
     assert paths["resume_chunk"]["at"] % 64 == 0 and paths["resume_turn"]["at"] % 64 != 0
     assert 0 < paths["resume_chunk"]["at"] < len(ids) and 0 < paths["resume_turn"]["at"] < len(ids)
@@ -152,3 +152,54 @@ def test_serving_needs_the_built_in_device_in_this_process(tmp_path):
     for kw in ({"ranks": "distributed"}, {"dumps": tmp_path}):
         with pytest.raises(ValidateError, match="--serving"):
             open_device(tmp_path, serving=True, **kw)
+
+
+# ---- the batching path: the prompt beside shorter requests, each against itself alone ----
+def _batch(served, leak=None):
+    from k3bundle.golden.tolerances import load_tolerances
+    from k3bundle.validate.serving import judge_batch
+    from k3bundle.validate.serving_batch import run_batch
+
+    pair = run_batch(served["weights"], served["golden"], served["ids"], leak=leak, case="multi_turn")
+    return judge_batch("multi_turn", pair, load_tolerances(served["src"] / "validation" / "tolerances.yaml")), pair
+
+
+@pytest.fixture(scope="module")
+def batch_clean(served):
+    return _batch(served)
+
+
+def test_batching_path_passes_with_requests_of_other_lengths(served, batch_clean):
+    res, pair = batch_clean
+    n = len(served["ids"])
+    # the case, then prefixes of 2/3 and 1/3 of its length (the only case here), each decoding what follows
+    assert [len(r.ids) for r in pair.requests] == [n, round(n * 2 / 3), round(n / 3)]
+    assert pair.requests[1].tokens == served["ids"][len(pair.requests[1].ids):][:len(pair.requests[0].tokens)]
+    assert res.status == "pass", res.first_failure.line() if res.first_failure else res.reason
+    assert {r.tap.split(".", 2)[1] for r in res.results} == {"0", "1", "2"}
+    taps = {r.tap for r in res.results}
+    assert {"request.2.layers.0.mixer_out", "request.1.prefill.layers.1.kda_conv", "request.0.step_logits",
+            "request.2.decode.layers.3.mixer_out", "request.1.final.layers.3.mla_latent"} <= taps
+    assert all(cand.grid == n for cand in pair.cands)  # the short requests ran padded to the case's length
+
+
+@pytest.mark.parametrize("where, tap", [("kda_conv", "prefill.layers.{l}.kda_conv"),
+                                        ("kda_state", "prefill.layers.{l}.kda_state"),
+                                        ("mla_keys", "layers.{l}.mixer_out")])
+def test_padding_leaking_into_a_request_is_located(served, batch_clean, where, tap):
+    from k3bundle.executor.batching import Leak
+
+    text = served["weights"].config.text
+    layer = text.mla_layers[0] if where == "mla_keys" else text.kda_layers[-1]
+    _, clean = batch_clean  # the same requests alone; only the batch runs again, with the fault
+    from k3bundle.executor.batching import batched
+    from k3bundle.golden.tolerances import load_tolerances
+    from k3bundle.validate.serving import judge_batch
+    from k3bundle.validate.serving_batch import BatchPair
+
+    leaked = batched(served["weights"], clean.requests, leak=Leak(2, layer, where))  # request 2, the shortest
+    res = judge_batch("multi_turn", BatchPair(clean.labels, clean.requests, clean.refs, leaked),
+                      load_tolerances(served["src"] / "validation" / "tolerances.yaml"))
+    assert res.status == "fail"
+    assert res.first_failure.tap == "request.2." + tap.format(l=layer), res.first_failure.line()
+    assert res.first_failure.layer == layer

@@ -124,7 +124,7 @@ def batched(weights, reqs: Sequence[Request], pad_id: int = 0, leak: Leak | None
     for j, tp in enumerate(taps):  # a request with one step decoded nothing: its decode taps have no rows
         dec[j].update({"decode." + k: [v[:0]] for k, v in tp.items() if "decode." + k not in dec[j]})
     grid = max(len(r.ids) for r in reqs)
-    return [RequestRun(logits[j].detach().cpu(), torch.stack(rows[j][:len(reqs[j].tokens)]).detach().cpu(),
+    return [RequestRun(logits[j].detach().cpu(), torch.stack(rows[j])[:len(reqs[j].tokens)].detach().cpu(),
                        {**taps[j], **{k: torch.cat(v) for k, v in dec[j].items()}}, prefilled[j], caches[j], grid)
             for j in range(len(reqs))]
 

@@ -132,13 +132,24 @@ class InProcess(Device):
         self.exact_section = EXACT_SAME
         self.source = source  # the bundle or checkpoint the weights come from
         self.after_step = after_step  # a serving engine's cache handling between decode steps
-        # ``validate --serving``: (weights, golden, ids) -> the serving paths' runs (validate.serving.run_paths)
+        # ``validate --serving``: (weights, golden, ids, others=, case=) -> the serving paths' runs
+        # (validate.serving.run_paths); ``others``: every judged case's (name, ids, golden), for the batch
         self.serving = None
+        self.peers: list[tuple[str, list[int], dict]] = []
+        self._goldens: dict[str, dict] = {}
+
+    def check(self, goldens):
+        self._goldens = goldens if self.serving is not None else {}
 
     def prepare(self, validation, cases):
         """The exact check runs on the weights the goldens were made from, in float32: judged by
         the ``exact`` limits on the CPU against CPU goldens (the same arithmetic: clean value 0),
         by the ``exact_gpu`` limits where a GPU is on either side (its measured floor)."""
+        if self._goldens:  # the serving batch takes prefixes of the other judged cases' prompts
+            from k3bundle.golden.store import read_npz
+
+            inputs = read_npz(Path(validation) / GOLDEN_INPUTS)
+            self.peers = [(n, [int(i) for i in inputs[f"{n}/ids"]], self._goldens[n]) for n in cases]
         self.exact_status, section = exact_applies(self.source, validation, self.weights.device)
         if section is not None:
             no_tf32()
@@ -149,7 +160,8 @@ class InProcess(Device):
         arrays = device_arrays(self.weights, golden, ids, self.after_step, self.exact_weights, self.exact_weights)
         out = builtin_output(*arrays, golden, self.exact_section, self.exact_status)
         if self.serving is not None:
-            out.serving = self.serving(self.weights, golden, ids.tolist())
+            others = [p for p in self.peers if p[0] != name]
+            out.serving = self.serving(self.weights, golden, ids.tolist(), others=others, case=name)
         return out
 
 

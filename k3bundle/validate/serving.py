@@ -11,7 +11,9 @@ tokens) is the reference, and three paths must equal it:
   *recomputed* up to the turn boundary (a KDA state is kept only at chunk boundaries), then the
   next turn prefilled, then decode;
 - ``handoff``: the prefill's whole cache serialised (``executor.cache_handoff``), restored in
-  another process (``python -m k3bundle.validate.serving``), decoded there; its size is reported.
+  another process (``python -m k3bundle.validate.serving``), decoded there; its size is reported;
+- ``batching``: the prompt in one batch with other requests of different lengths, each against
+  itself run alone (``validate.serving_batch``, its checks listed there).
 
 Checks, in the order a fault propagates (the first failure locates it):
 
@@ -45,8 +47,9 @@ from k3bundle.executor.serving import CacheIO, PathRun, chunk_grid, decode_from,
 from k3bundle.golden.tolerances import Tolerances
 from k3bundle.tokenizer_specials import END_OF_MSG, named_special_ids
 from k3bundle.validate.compare import TapResult, compare_logits, compare_tensor
+from k3bundle.validate.serving_batch import BatchPair, batch_checks, describe, run_batch
 
-PATHS = ("resume_chunk", "resume_turn", "handoff")
+PATHS = ("resume_chunk", "resume_turn", "handoff", "batching")
 HANDOFF_TIMEOUT_S = 600
 
 
@@ -162,12 +165,14 @@ class ServingRun:
 
     ref: PathRun
     pairs: list[PathPair]
+    batch: BatchPair | None = None  # None: the batching path was not asked for
 
 
 def run_paths(weights, golden: dict, ids: list[int], handoff: "Handoff | None", io: CacheIO = CacheIO(),
-              ref: PathRun | None = None) -> ServingRun:
-    """The uninterrupted run (``ref``, made here when not given) and the three paths of one case on
-    ``weights`` (the device policy)."""
+              ref: PathRun | None = None, others=(), batching: bool = True, case: str = "case") -> ServingRun:
+    """The uninterrupted run (``ref``, made here when not given) and the paths of one case on
+    ``weights`` (the device policy); ``others``: (name, ids, golden arrays) of the other cases, whose
+    prompts' prefixes join the batch (``serving_batch.batch_requests``)."""
     routes, tokens = golden_routes(golden), [int(t) for t in golden["greedy_tokens"]]
     ref = uninterrupted(weights, ids, tokens, routes) if ref is None else ref
     chunk = ref_chunk(weights)
@@ -188,7 +193,7 @@ def run_paths(weights, golden: dict, ids: list[int], handoff: "Handoff | None", 
             pairs.append(PathPair("handoff", None, handoff.decode(io.save(ref.saved), ref.logits[-1], tokens, routes)))
         except HandoffError as e:
             pairs.append(PathPair("handoff", error=str(e)))
-    return ServingRun(ref, pairs)
+    return ServingRun(ref, pairs, run_batch(weights, golden, ids, others, case=case) if batching else None)
 
 
 def ref_chunk(weights) -> int:
@@ -198,7 +203,17 @@ def ref_chunk(weights) -> int:
 
 
 def judge_serving(case: str, run: ServingRun, tol: Tolerances) -> list[PathResult]:
-    return [judge_path(case, p, run.ref, tol) for p in run.pairs]
+    out = [judge_path(case, p, run.ref, tol) for p in run.pairs]
+    return out if run.batch is None else out + [judge_batch(case, run.batch, tol)]
+
+
+def judge_batch(case: str, pair: BatchPair, tol: Tolerances) -> PathResult:
+    if not pair.cands:
+        return PathResult("batching", "not run", reason=pair.reason)
+    res = batch_checks(case, pair, tol)
+    bad = [r for r in res if not r.passed]
+    return PathResult("batching", "fail" if bad else "pass", reason=describe(pair), results=res,
+                      first_failure=bad[0] if bad else None)
 
 
 def decode_child(workdir: str) -> None:
