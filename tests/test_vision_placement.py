@@ -132,7 +132,8 @@ def test_trace_cli_for_a_vision_tensor_and_a_rank_that_has_none(bundles, tiny_ck
         assert key in f.keys()
     assert doc["source"]["key"] == key and doc["rank"] == 7
     r = run_cli("trace", str(b), "8", key)  # stage 1: no vision tower
-    assert r.returncode == 2 and "rank 8 has no tensor" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert f"rank 8 has no tensor '{key}'" in r.stderr and "it is on ranks 0-7" in r.stderr
 
 
 def test_verify_locates_a_flipped_byte_in_a_replicated_vision_tensor(bundles, tiny_ckpt, tmp_path):
@@ -167,3 +168,14 @@ def test_a_layout_may_spell_the_vision_tower_bf16_or_source():
     lay = parse_layout(d, "test.yaml")
     assert lay.rule_for(ROLE_BY_NAME["vit.wqkv"]).format == "bf16"
     assert lay.rule_for(ROLE_BY_NAME["proj.fc2"]).format == "source"
+
+
+def test_a_miss_names_the_ranks_that_hold_the_key():
+    from k3bundle.bundle.errors import BundleError
+    from k3bundle.bundle.index import find_entry
+
+    index = {"tensors": [{"rank": r, "key": "a.weight"} for r in (0, 1, 2, 3, 8)] + [{"rank": 5, "key": "b.weight"}]}
+    with pytest.raises(BundleError, match=r"rank 5 has no tensor 'a.weight' \(1 tensors\); it is on ranks 0-3, 8$"):
+        find_entry(index, 5, "a.weight")
+    with pytest.raises(BundleError, match=r"; it is on rank 5$"):
+        find_entry(index, 0, "b.weight")

@@ -67,9 +67,24 @@ def find_entry(index: dict, rank: int, key: str) -> dict:
     if not keys:
         ranks = sorted({e["rank"] for e in index["tensors"]})
         raise BundleError(f"rank {rank} has no tensors (ranks 0..{ranks[-1] if ranks else -1})")
-    near = [k for k in keys if key.split(".")[-1] in k][:3]
-    hint = f"; e.g. {', '.join(near)}" if near else ""
+    held = sorted({e["rank"] for e in index["tensors"] if e["key"] == key})
+    if held:  # on other ranks (the vision tower on stage 0, a TP slice on its own ranks): say which
+        hint = f"; it is on rank{'s' if len(held) > 1 else ''} {_ranges(held)}"
+    else:
+        near = [k for k in keys if key.split(".")[-1] in k][:3]
+        hint = f"; e.g. {', '.join(near)}" if near else ""
     raise BundleError(f"rank {rank} has no tensor {key!r} ({len(keys)} tensors){hint}")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: [0, 1, 2, 3, 8] -> '0-3, 8'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def lookup(path: str | Path, rank: int, key: str) -> tuple[dict, dict]:
