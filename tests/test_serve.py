@@ -195,3 +195,20 @@ def test_serve_command_serves_until_interrupted(tiny_trained_ckpt):
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     assert "serving tt at http://127.0.0.1:" in err
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(tiny_trained_ckpt):
+    """Left running, the abandoned request would hold the engine for 2,000 tokens (minutes); the next
+    request is answered within the client's 60 s only if the disconnect stopped its decode."""
+    from k3bundle.serve import Engine
+
+    with serving(Engine(tiny_trained_ckpt)) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model=tiny_trained_ckpt.name, prompt=[65, 66, 67], max_tokens=2000,
+                                           temperature=0, stream=True)
+        chunks = iter(stream)
+        for _ in range(3):
+            assert next(chunks).choices[0].text is not None
+        stream.close()
+        r = client.completions.create(model=tiny_trained_ckpt.name, prompt=[65, 66, 67], max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2

@@ -21,11 +21,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from k3bundle.chat import Delta, ParsedMessage, ToolCall
 from k3bundle.errors import K3Error
-from k3bundle.serve.engine import Engine
+from k3bundle.serve.engine import Engine, TokenStream
 from k3bundle.serve.errors import ServeError
 
 #: completion tokens when a chat request gives no max_tokens (the context would be far too many
@@ -142,8 +143,7 @@ def create_app(engine: Engine) -> FastAPI:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
         tokens = engine.generate(prompt, max_tokens)
         if req.stream:
-            return StreamingResponse(_chat_stream(engine, req, head, prompt, tokens, thinking),
-                                     media_type="text/event-stream")
+            return _streaming(_chat_stream(engine, req, head, prompt, tokens, thinking), tokens)
         parser, ids, reason = engine.parser(thinking), [], None
         for token, reason in tokens:
             ids.append(token)
@@ -176,8 +176,7 @@ def create_app(engine: Engine) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
         tokens = engine.generate(prompt, max_tokens)
         if req.stream:
-            return StreamingResponse(_completion_stream(engine, req, head, prompt, tokens),
-                                     media_type="text/event-stream")
+            return _streaming(_completion_stream(engine, req, head, prompt, tokens), tokens)
         ids, reason = [], None
         for token, reason in tokens:
             ids.append(token)
@@ -188,6 +187,19 @@ def create_app(engine: Engine) -> FastAPI:
         return {**head, "object": "text_completion", "choices": [choice], "usage": _usage(len(prompt), len(ids))}
 
     return app
+
+
+def _streaming(events: Iterator[str], tokens: TokenStream) -> StreamingResponse:
+    """Server-sent events; a client that disconnects cancels this generator, which stops the decode."""
+
+    async def guarded():
+        try:
+            async for event in iterate_in_threadpool(events):
+                yield event
+        finally:
+            tokens.close()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
 
 
 def _include_usage(req: _Request) -> bool:
@@ -207,7 +219,7 @@ def _chat_delta(deltas: list[Delta], calls: list[int]) -> dict:
     return delta
 
 
-def _chat_stream(engine: Engine, req: ChatRequest, head: dict, prompt: list[int], tokens: Iterator,
+def _chat_stream(engine: Engine, req: ChatRequest, head: dict, prompt: list[int], tokens: TokenStream,
                  thinking: bool) -> Iterator[str]:
     chunk = {**head, "object": "chat.completion.chunk"}
     first = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
@@ -215,17 +227,14 @@ def _chat_stream(engine: Engine, req: ChatRequest, head: dict, prompt: list[int]
         first["prompt_token_ids"] = prompt
     yield _sse(first)
     parser, calls, n, reason = engine.parser(thinking), [], 0, None
-    try:
-        for token, reason in tokens:
-            n += 1
-            delta = _chat_delta(parser.feed([token]), calls)
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
-            if req.return_token_ids:
-                choice["token_ids"] = [token]
-            if delta or req.return_token_ids:
-                yield _sse({**chunk, "choices": [choice]})
-    finally:
-        tokens.close()  # a client that went away releases the engine's lock here
+    for token, reason in tokens:
+        n += 1
+        delta = _chat_delta(parser.feed([token]), calls)
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        if req.return_token_ids:
+            choice["token_ids"] = [token]
+        if delta or req.return_token_ids:
+            yield _sse({**chunk, "choices": [choice]})
     delta = _chat_delta(parser.flush(), calls)
     msg = parser.finish()
     yield _sse({**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": _finish(reason, msg)}]})
@@ -235,23 +244,20 @@ def _chat_stream(engine: Engine, req: ChatRequest, head: dict, prompt: list[int]
 
 
 def _completion_stream(engine: Engine, req: CompletionRequest, head: dict, prompt: list[int],
-                       tokens: Iterator) -> Iterator[str]:
-    chunk, n, seen = {**head, "object": "text_completion"}, 0, ""
+                       tokens: TokenStream) -> Iterator[str]:
+    chunk, seen = {**head, "object": "text_completion"}, ""
     ids: list[int] = []
-    try:
-        for token, reason in tokens:
-            ids.append(token)
-            text = engine.decode(ids, req.skip_special_tokens)
-            # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until the next token
-            piece, seen = (text[len(seen):], text) if not text.endswith("\ufffd") or reason else ("", seen)
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-            if req.return_token_ids:
-                choice["token_ids"] = [token]
-                if len(ids) == 1:
-                    choice["prompt_token_ids"] = prompt
-            yield _sse({**chunk, "choices": [choice]})
-    finally:
-        tokens.close()
+    for token, reason in tokens:
+        ids.append(token)
+        text = engine.decode(ids, req.skip_special_tokens)
+        # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back until the next token
+        piece, seen = (text[len(seen):], text) if not text.endswith("\ufffd") or reason else ("", seen)
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        if req.return_token_ids:
+            choice["token_ids"] = [token]
+            if len(ids) == 1:
+                choice["prompt_token_ids"] = prompt
+        yield _sse({**chunk, "choices": [choice]})
     if _include_usage(req):
         yield _sse({**chunk, "choices": [], "usage": _usage(len(prompt), len(ids))})
     yield "data: [DONE]\n\n"

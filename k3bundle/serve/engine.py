@@ -14,6 +14,7 @@ can be shown to catch them; a clean server has ``fault=None``. Each is chosen by
 from __future__ import annotations
 
 import codecs
+import queue
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -112,21 +113,35 @@ class Engine:
             row = row.float() + NOISE * torch.randn(row.shape, generator=self._noise).to(row.device)
         return int(torch.argmax(row))
 
-    def generate(self, prompt: Sequence[int], max_tokens: int) -> Iterator[tuple[int, str | None]]:
+    def generate(self, prompt: Sequence[int], max_tokens: int) -> TokenStream:
         """Greedy tokens after ``prompt``, each with its finish reason (None, "stop" on a stop
-        token, "length" at ``max_tokens``). Holds the lock until the last token or until the
-        caller closes the generator (a client that went away)."""
+        token, "length" at ``max_tokens``), as a ``TokenStream``. A worker thread decodes under the
+        lock and hands tokens over a queue, so the lock never waits on a reader: a client that
+        goes away (``TokenStream.close``) stops the decode at the next token, and one that is never
+        closed still ends at ``max_tokens``."""
         self.check(prompt, max_tokens)
-        with self.lock:
-            logits, cache = self.executor.prefill(list(prompt))
-            row = logits[-1]
-            for n in range(1, max_tokens + 1):
-                token = self._choose(row)
-                finish = "stop" if token in self.stop_ids else "length" if n == max_tokens else None
-                yield token, finish
-                if finish:
+        stream = TokenStream()
+        threading.Thread(target=self._decode, args=(list(prompt), max_tokens, stream), daemon=True).start()
+        return stream
+
+    def _decode(self, prompt: list[int], max_tokens: int, stream: TokenStream) -> None:
+        try:
+            with self.lock:
+                if stream.cancelled.is_set():
                     return
-                row = self.executor.decode(token, cache)
+                logits, cache = self.executor.prefill(prompt)
+                row = logits[-1]
+                for n in range(1, max_tokens + 1):
+                    token = self._choose(row)
+                    finish = "stop" if token in self.stop_ids else "length" if n == max_tokens else None
+                    stream.queue.put((token, finish))
+                    if finish or stream.cancelled.is_set():
+                        return
+                    row = self.executor.decode(token, cache)
+        except BaseException as e:  # handed to the reader, raised there
+            stream.queue.put(e)
+        finally:
+            stream.queue.put(None)
 
     # ---- parsing
     def parser(self, thinking: bool) -> StreamParser | _Passthrough:
@@ -135,6 +150,24 @@ class Engine:
         if self.fault == "markup-in-content":
             return _Passthrough(self.encoding)
         return StreamParser(thinking=thinking, encoding=self.encoding)
+
+
+class TokenStream:
+    """The tokens of one request as a worker thread decodes them: iterate for (token, finish)
+    pairs; ``close`` asks the worker to stop."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[tuple[int, str | None]]:
+        while (item := self.queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.cancelled.set()
 
 
 class _Passthrough:
