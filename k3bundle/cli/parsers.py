@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import JsonOpt, Output, exit_with
-from k3bundle.endpoint import Endpoint, EndpointError
-from k3bundle.endpoint.parsers_report import open_tokenizer, run_parsers, write_report
+from k3bundle.endpoint.errors import EndpointError
+from k3bundle.errors import K3Error
 from k3bundle.file_names import MANIFEST, REPORTS_DIR
 from k3bundle.golden.cases import load_cases
 
@@ -37,6 +37,11 @@ def parsers(
 ) -> None:
     """Send every golden conversation with thinking and tools; exit 0 pass, 1 fail, 2 bad input or endpoint unreachable."""
     o = Output(json_)
+    try:  # the openai package comes with the serve extra: without it every other command still runs
+        from k3bundle.endpoint import Endpoint
+        from k3bundle.endpoint.parsers_report import open_tokenizer, run_parsers, write_report
+    except ModuleNotFoundError as e:
+        raise K3Error(f"k3bundle parsers needs the {e.name} package: pip install 'k3bundle[serve]'") from None
     if max_tokens < 1:
         raise EndpointError(f"--max-tokens must be at least 1, got {max_tokens}")
     is_bundle = (tokenizer / MANIFEST).is_file()

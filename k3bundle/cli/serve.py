@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from k3bundle.executor import POLICIES, ExecutorError
-from k3bundle.serve import FAULT_ENV, Engine, serve as run_server
+from k3bundle.serve import FAULT_ENV, Engine, require_extra, serve as run_server
 
 EXAMPLES = [
     "k3bundle serve /tmp/k3-tt --port 8000",
@@ -31,6 +31,7 @@ def serve(
     fault: Annotated[str | None, typer.Option(hidden=True, help=f"Test hook: plant a fault (also {FAULT_ENV}).")] = None,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models, greedily, one request at a time."""
+    require_extra()  # before the model is read
     if dtype not in POLICIES:
         raise ExecutorError(f"--dtype {dtype!r} is not one of {', '.join(POLICIES)}")
     engine = Engine(source, dtype=dtype, device=device, max_model_len=max_model_len,
