@@ -189,3 +189,21 @@ def test_bad_input_and_an_unreachable_endpoint_exit_2(tiny_trained_ckpt, tmp_pat
     r = run_cli("parsers", str(tiny_trained_ckpt), "--endpoint", f"http://127.0.0.1:{port}/v1")
     assert r.returncode == 2 and "not a bundle" in r.stderr and "--out" in r.stderr
     assert not list(tmp_path.iterdir())  # no report from a run that never ran
+
+
+def test_a_served_bundle_gets_its_report_in_reports(tiny_trained_ckpt, tmp_path):
+    """serve reads a bundle (weights, tokenizer/); parsers renders with the bundle's tokenizer and
+    writes BUNDLE/reports/parsers.{json,md} when no --out is given."""
+    from k3bundle.convert import convert
+    from k3bundle.serve import Engine
+
+    bundle = tmp_path / "bundle"
+    convert(tiny_trained_ckpt, "b300-tp8", bundle, workers=1)
+    with serving(Engine(bundle)) as url:
+        r = run_cli("parsers", str(bundle), "--endpoint", url, "--case", "thinking", "--max-tokens", "24",
+                    env={"K3BUNDLE_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((bundle / "reports" / "parsers.json").read_text())
+    assert report["verdict"] == "PASS" and report["model"] == "bundle"
+    assert [p["name"] for p in report["probes"]] == ["thinking"]
+    assert (bundle / "reports" / "parsers.md").read_text().startswith("# Parsers: PASS")

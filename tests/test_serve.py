@@ -231,3 +231,43 @@ def test_without_the_serve_extra_the_commands_say_what_to_install(tiny_trained_c
     assert r.returncode == 2
     assert r.stderr == f"error: k3bundle {args[0]} needs the {package} package: pip install 'k3bundle[serve]'\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_endpoint_client_times_and_assembles_what_the_server_sends(url, encoding, thinking_case, tiny_trained_ckpt):
+    """``Endpoint``: streamed and not, the same split as the raw response; one interval per token chunk."""
+    import json
+
+    from k3bundle.endpoint import Endpoint, EndpointRejected, EndpointUnreachable
+
+    ep = Endpoint(url.removesuffix("/v1"))  # the /v1 suffix is added when missing
+    assert ep.base_url == url and ep.model == tiny_trained_ckpt.name
+    a = ep.chat(thinking_case.messages, max_tokens=12, return_token_ids=True)
+    b = ep.chat(thinking_case.messages, max_tokens=12, return_token_ids=True, stream=True)
+    body = {"model": ep.model, "messages": thinking_case.messages, "max_tokens": 12, "return_token_ids": True}
+    req = urllib.request.Request(url + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = json.loads(r.read())
+    message = raw["choices"][0]["message"]
+    for got in (a, b):
+        assert (got.reasoning, got.content, got.finish_reason) == \
+               (message["reasoning_content"], message["content"], raw["choices"][0]["finish_reason"])
+        assert got.token_ids == raw["choices"][0]["token_ids"] and got.prompt_token_ids == raw["prompt_token_ids"]
+        assert got.timing.completion_tokens == raw["usage"]["completion_tokens"] == len(got.token_ids)
+        assert got.timing.prompt_tokens == raw["usage"]["prompt_tokens"]
+    assert a.timing.ttft_s is None and a.timing.intervals_s == []
+    assert 0 < b.timing.ttft_s < b.timing.total_s
+    # a chunk per token (token ids on), and the final chunk when it carries text the parser held back
+    assert len(b.timing.intervals_s) in (len(b.token_ids) - 1, len(b.token_ids))
+    assert b.timing.ttft_s + sum(b.timing.intervals_s) <= b.timing.total_s
+
+    c = ep.complete(encoding.decode(a.prompt_token_ids), max_tokens=4, stream=True, skip_special_tokens=False)
+    assert c.text == encoding.decode(a.token_ids[:4]) and c.timing.completion_tokens == 4
+    assert len(c.timing.intervals_s) == 3  # completions: one chunk per token, the last with its finish reason
+    with pytest.raises(EndpointRejected) as e:
+        ep.complete([1] * CONTEXT, max_tokens=1)
+    assert e.value.status == 400 and "maximum context length" in str(e.value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(EndpointUnreachable, match="unreachable"):
+        Endpoint(f"http://127.0.0.1:{closed}/v1", model="m").models()
