@@ -55,7 +55,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("calibrate", ("errors", "file_names", "config", "io", "presets", "storage", "layouts", "ops", "executor", "kernels",
                    "synth", "convert", "golden", "validate")),
     ("serve", ("errors", "io", "tokenizer_specials", "tokenizer", "chat", "executor", "bundle")),
-    ("endpoint", ("k3bundle", "errors", "file_names", "io", "tokenizer", "chat", "golden")),
+    ("endpoint", ("k3bundle", "errors", "data_dirs", "file_names", "pages", "io", "tokenizer", "chat", "golden")),
     ("demo", ("errors", "file_names", "tokenizer", "synth", "pull", "plan", "convert", "provenance", "golden", "validate", "checklist")),
     ("cli", ("k3bundle", "errors", "runtime", "pages", "file_names", "config", "io", "schema", "checkpoint", "presets", "synth", "pull",
              "plan", "executor",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +147,37 @@ def _bundle_graph(bundle: Path) -> dict | None:
     return doc
 
 
+def _plan_and_cache(layout, cfg_path: Path, bdir: Path | None, serving: Serving) -> tuple[Plan, dict]:
+    """The plan of the config on the layout, and its cache manifest (the bundle's graph where given)."""
+    plan = make_plan(load_config(cfg_path), layout)
+    t = plan.config.text
+    manifest = cache_manifest((_bundle_graph(bdir) if bdir is not None else None) or graph_manifest(plan),
+                              t.kv_lora_rank, t.qk_rope_head_dim, serving)
+    return plan, manifest
+
+
+def _bounds(plan: Plan, manifest: dict) -> Callable[[int, int], tuple[float, float]]:
+    def bounds(b: int, n: int) -> tuple[float, float]:
+        r = roofline(plan, manifest, n, b)
+        return r.decode.bound.value, r.prefill.bound.value
+
+    return bounds
+
+
+def performance_bounds(target: str, config: str | Path | None = None,
+                       bundle: str | Path | None = None) -> Callable[[int, int], tuple[float, float]]:
+    """``(batch, context) -> (TPOT, TTFT)`` lower bounds of ``target``, the ones the performance stage
+    holds ``reports/performance.json`` against: the model of ``bundle`` (its config and graph),
+    else ``config``, else the released K3, on the layout as written."""
+    if config is not None and bundle is not None:
+        raise ChecklistError("give --config or --bundle, not both (a bundle carries its own config.json)")
+    bdir = Path(bundle) if bundle is not None else None
+    if bdir is not None and not (bdir / CONFIG).is_file():
+        raise ChecklistError(f"{bdir}: no {CONFIG}: not a bundle")
+    cfg = bdir / CONFIG if bdir is not None else Path(config) if config is not None else release_config_path()
+    return _bounds(*_plan_and_cache(load_layout(target), cfg, bdir, Serving()))
+
+
 def make_checklist(target: str, config: str | Path | None = None, bundle: str | Path | None = None,
                    context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH, verify_level: str = "sample",
                    verify_seed: int = 0, serving: Serving | None = None, run: str | None = None) -> Checklist:
@@ -202,16 +234,10 @@ def make_checklist(target: str, config: str | Path | None = None, bundle: str | 
     if bdir is not None and layout.parallel != written.parallel:
         raise ChecklistError(f"--attention-dp {serving.attention_dp}: {bdir} was converted for attention_dp "
                              f"{written.parallel.attention_dp}; its weights are placed for that split")
-    plan = make_plan(load_config(cfg_path), layout)
-    t = plan.config.text
-    manifest = cache_manifest((_bundle_graph(bdir) if bdir is not None else None) or graph_manifest(plan),
-                              t.kv_lora_rank, t.qk_rope_head_dim, serving)
+    plan, manifest = _plan_and_cache(layout, cfg_path, bdir, serving)
     cap = capacity(plan, manifest, context, batch, serving)
     roof = roofline(plan, manifest, context, batch)
-
-    def bounds(b: int, n: int) -> tuple[float, float]:
-        r = roofline(plan, manifest, n, b)
-        return r.decode.bound.value, r.prefill.bound.value
+    bounds = _bounds(plan, manifest)
 
     def verify_bundle(b):
         return verify(b, level=verify_level, seed=verify_seed)
