@@ -9,10 +9,9 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
-from k3bundle.endpoint import Endpoint, EndpointError
-from k3bundle.endpoint.perf import sweep
-from k3bundle.endpoint.perf_report import to_json, write_report
+from k3bundle.endpoint.errors import EndpointError
 from k3bundle.endpoint.workloads import load_workload
+from k3bundle.errors import K3Error
 from k3bundle.file_names import REPORTS_DIR
 
 EXAMPLES = [
@@ -56,6 +55,12 @@ def perf(
     writes performance.json (the checklist's evidence) and performance.html. Exit 0, or 2 on bad input or an
     unreachable endpoint."""
     o = Output(json_)
+    try:  # the openai package comes with the serve extra: without it every other command still runs
+        from k3bundle.endpoint import Endpoint
+        from k3bundle.endpoint.perf import sweep
+        from k3bundle.endpoint.perf_report import to_json, write_report
+    except ModuleNotFoundError as e:
+        raise K3Error(f"k3bundle perf needs the {e.name} package: pip install 'k3bundle[serve]'") from None
     levels = _levels(concurrency)
     if out is None and bundle is None:
         raise EndpointError("give --out DIR for the report, or --bundle B (the report then goes to B/reports)")
