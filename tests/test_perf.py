@@ -61,6 +61,25 @@ def test_speculative_normalisation_worked_by_hand():
     assert s["tpot_per_accepted_token_s"] == pytest.approx(0.010)
 
 
+def test_a_levels_spec_figures_come_from_the_counters_growth_or_the_streamed_chunks():
+    from k3bundle.endpoint.perf import NOT_REPORTED, RequestRecord, spec_figures
+
+    stats = {"tpot_p50_s": 0.010}
+    # /metrics: 10 steps, 30 drafted, 20 accepted over the level (counters were already at 5/15/9)
+    before = {"drafts": 5.0, "draft_tokens": 15.0, "accepted": 9.0}
+    after = {"drafts": 15.0, "draft_tokens": 45.0, "accepted": 29.0}
+    s = spec_figures(stats, [], before, after, None)
+    assert (s["drafts"], s["draft_tokens"], s["accepted"]) == (10.0, 30.0, 20.0)
+    assert s["tokens_per_step"] == pytest.approx(3.0) and "/metrics" in s["source"]
+    # streamed chunks with --draft-tokens 2: 9 tokens after the first in 3 chunks = 3 steps, 6 accepted
+    rec = RequestRecord(0, 0, 0, 10, 10, 4, 0.0, 0.1, 0.5, 0.01)
+    s = spec_figures(stats, [rec], None, None, 2)
+    assert (s["drafts"], s["draft_tokens"], s["accepted"]) == (3, 6, 6)
+    assert s["acceptance_rate"] == pytest.approx(1.0) and s["tokens_per_step"] == pytest.approx(3.0)
+    assert spec_figures(stats, [rec], None, None, None) == NOT_REPORTED
+    assert spec_figures(stats, [rec], before, before, None) == NOT_REPORTED  # counters that did not move
+
+
 def test_vllm_spec_decode_counters_are_read_from_prometheus_text():
     from k3bundle.endpoint.perf import parse_metrics
 

@@ -184,11 +184,13 @@ def run_level(ep: Endpoint, w: Workload, concurrency: int, draft_tokens: int | N
         raise errors[0]
     records.sort(key=lambda r: r.start_s)
     stats = level_stats(records, wall)
-    return Level(concurrency, stats, records, _spec(stats, records, before, read_spec_counters(ep.base_url),
-                                                    draft_tokens))
+    after = read_spec_counters(ep.base_url)
+    return Level(concurrency, stats, records, spec_figures(stats, records, before, after, draft_tokens))
 
 
-def _spec(stats: dict, records: list[RequestRecord], before, after, draft_tokens: int | None) -> dict | str:
+def spec_figures(stats: dict, records: list[RequestRecord], before, after, draft_tokens: int | None) -> dict | str:
+    """The level's speculative-decoding figures: from the /metrics counters' growth over the level
+    (``before``, ``after``), else from the streamed chunks with ``draft_tokens``, else ``NOT_REPORTED``."""
     tpot = stats["tpot_p50_s"]
     if tpot is None:
         return NOT_REPORTED
@@ -247,4 +249,4 @@ def sweep(ep: Endpoint, w: Workload, levels: Sequence[int], bounds=None, draft_t
 
 
 __all__ = ["Level", "NOT_REPORTED", "RequestRecord", "attach_bounds", "level_stats", "parse_metrics", "percentile",
-           "request_tpot", "run_level", "spec_normalise", "sweep"]
+           "request_tpot", "run_level", "spec_figures", "spec_normalise", "sweep"]
