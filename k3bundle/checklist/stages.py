@@ -331,6 +331,16 @@ def _faults(bundle: Path | None) -> Stage:
             gaps.append(f"{f.key}: not re-validated after the fault")
         else:
             s.notes.append(f"{f.key}: clean error — {e['error']}")
+    # faults beyond the four (``k3bundle faults``: over_context, client_disconnect, ...): each that
+    # was run must have ended cleanly and been re-validated; a failure recorded is never ignored
+    for key, e in got.items():
+        if key in {f.key for f in F.FAULT_PATHS} or e.get("outcome") == "not_run":
+            continue
+        if e.get("outcome") not in ("clean_error", "survived") or e.get("revalidated") is not True:
+            gaps.append(f"{key}: outcome {e.get('outcome')!r}, re-validated {e.get('revalidated')!r}"
+                        + (f" ({e['error']})" if e.get("error") else ""))
+        else:
+            s.notes.append(f"{key}: {e['outcome'].replace('_', ' ')}" + (f" — {e['error']}" if e.get("error") else ""))
     if gaps:
         s.missing = "; ".join(gaps)
     else:
@@ -358,6 +368,13 @@ def _soak(bundle: Path | None) -> Stage:
         gaps.append(f"golden re-checks: {checks} run, {failures} failed (needs ≥ 1 and 0 failed)")
     if hangs != 0:
         gaps.append(f"{hangs} hang(s) recorded (needs 0)")
+    # the format's extensions (``k3bundle soak``): an interrupted run or a named failure never ticks
+    if doc.get("complete") is False:
+        gaps.append("the soak was interrupted (complete: false)")
+    named = [f for f in doc.get("failures") or [] if isinstance(f, dict)]
+    if named:
+        gaps.append(f"{len(named)} failure(s) recorded, first: {named[0].get('kind')} in {named[0].get('request')}: "
+                    f"{named[0].get('detail')}")
     if gaps:
         s.missing = "; ".join(gaps)
     else:

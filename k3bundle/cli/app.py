@@ -29,7 +29,8 @@ def _epilog(examples: list[str]) -> str:
 #: The commands, in the order ``--help`` lists them; each is defined in ``k3bundle.cli.<name>`` (a
 #: function of the same name, or for a group, ``app``).
 COMMANDS = ("synth", "schema", "inspect", "plan", "convert", "verify", "trace", "run", "kernels", "pull",
-            "golden", "validate", "calibrate", "demo", "checklist", "report", "serve", "parsers", "perf")
+            "golden", "validate", "calibrate", "demo", "checklist", "report", "serve", "parsers", "perf", "soak",
+            "faults")
 
 
 _registered: set[str] = set()

@@ -30,8 +30,11 @@ from k3bundle.serve.errors import ServeError
 from k3bundle.tokenizer import load_tiktoken
 
 #: planted faults: the parser bypassed (raw markup in ``content``), ``<|end_of_msg|>`` rendered
-#: as the next special id, and tie-break noise on the logits (greedy decode no longer repeatable)
-FAULTS = ("markup-in-content", "wrong-special-id", "nondeterministic")
+#: as the next special id, tie-break noise on the logits (greedy decode no longer repeatable), and
+#: every ``HANG_EVERY``-th request stalled after its first token until its client goes away (a
+#: stuck engine, for the soak's watchdog)
+FAULTS = ("markup-in-content", "wrong-special-id", "nondeterministic", "hang")
+HANG_EVERY = 3
 FAULT_ENV = "K3BUNDLE_SERVE_FAULT"
 #: scale of the planted noise, in logits: large enough to move the argmax within a few tokens
 NOISE = 2.0
@@ -70,6 +73,7 @@ class Engine:
         context = (self.weights.config.raw.get("text_config") or {}).get("max_position_embeddings")
         self.max_model_len = int(max_model_len or context or 0) or None
         self.lock = threading.Lock()
+        self.served = 0  # requests decoded so far (the planted hang counts them)
         self._noise = torch.Generator().manual_seed(torch.seed())  # the planted fault's only randomness
 
     # ---- prompts
@@ -129,6 +133,8 @@ class Engine:
             with self.lock:
                 if stream.cancelled.is_set():
                     return
+                self.served += 1
+                hang = self.fault == "hang" and self.served % HANG_EVERY == 0
                 logits, cache = self.executor.prefill(prompt)
                 row = logits[-1]
                 for n in range(1, max_tokens + 1):
@@ -136,6 +142,9 @@ class Engine:
                     finish = "stop" if token in self.stop_ids else "length" if n == max_tokens else None
                     stream.queue.put((token, finish))
                     if finish or stream.cancelled.is_set():
+                        return
+                    if hang:  # planted: stalled, holding the lock, until the client leaves
+                        stream.cancelled.wait()
                         return
                     row = self.executor.decode(token, cache)
         except BaseException as e:  # handed to the reader, raised there

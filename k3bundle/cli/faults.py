@@ -1,0 +1,72 @@
+"""``k3bundle faults``: the fault paths an endpoint can be driven into, run and recorded (docs/endpoint.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3bundle.checklist.faults import FAULT_PATHS
+from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, FAULTS_KIND
+from k3bundle.cli._common import JsonOpt, Output, exit_with
+from k3bundle.endpoint import Endpoint, EndpointError
+from k3bundle.endpoint import faults as F
+from k3bundle.endpoint.replay import golden_requests
+from k3bundle.golden.cases import load_cases
+from k3bundle.io.files import write_atomic
+
+EXAMPLES = [
+    "k3bundle faults --endpoint http://127.0.0.1:8000/v1 --out /tmp/faults",
+    "k3bundle faults --endpoint http://gpu-host:8000/v1 --out /data/k3-bundle/reports",
+]
+#: where k3bundle itself exercises part of a hardware fault path (run on the bundle, not the endpoint)
+LOCAL = {"bad_page": "; k3bundle's own check of the cache and KDA state a server resumes from: "
+                     "`k3bundle validate BUNDLE --serving`"}
+
+
+def faults(
+    endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Report folder: faults.json and faults.md (a bundle's "
+                                                          "reports/ is where the checklist reads it).")] = Path("reports"),
+    model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens of the reference request.")] = 16,
+    timeout: Annotated[float, typer.Option(help="Watchdog: seconds a request may take before it is a hang.")] = 120.0,
+    case: Annotated[str, typer.Option(help="The golden case sent as the reference request.")] = "greedy",
+    cases: Annotated[Path | None, typer.Option(help="Golden cases folder (default: the shipped golden/cases).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if needed.")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Provoke each fault, re-validate after it; exit 0 when none failed, 1 when one did, 2 bad input or unreachable."""
+    o = Output(json_)
+    requests, _ = golden_requests(load_cases(cases))
+    req = next((r for r in requests if r.name == case), None)
+    if req is None:
+        raise EndpointError(f"--case {case!r} is not a case faults can send (known: {', '.join(r.name for r in requests)})")
+    ep = Endpoint(endpoint, model=model, api_key=api_key)
+    served = ep.models()
+    if model is not None and model not in served:
+        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+    not_run = [(f.key, f"on the target: {f.inject}; then record the outcome (clear error: {f.clear_error})"
+                + LOCAL.get(f.key, "")) for f in FAULT_PATHS]
+    results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run,
+                    say=lambda s: sys.stderr.write(s + "\n"))
+    doc = {"kind": FAULTS_KIND, "schema_version": EVIDENCE_SCHEMA_VERSION, "endpoint": ep.base_url,
+           "model": ep.model, "faults": [r.to_dict() for r in results]}
+    out.mkdir(parents=True, exist_ok=True)
+    j, m = out / "faults.json", out / "faults.md"
+    write_atomic(j, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    rows = [f"| {r.fault} | {r.outcome} | {r.revalidated} | {(r.error or r.detail or r.run).replace('|', '/')} |"
+            for r in results]
+    write_atomic(m, "\n".join([f"# Faults: {ep.base_url} ({ep.model})", "",
+                               "| fault | outcome | re-validated | error / how to run |", "|---|---|---|---|"]
+                              + rows) + "\n")
+    failed = [r for r in results if r.outcome == F.FAILED]
+    lines = [f"{r.fault}: {r.outcome}" + (f" — {r.error or r.detail}" if r.outcome != F.NOT_RUN else "")
+             for r in results]
+    lines.append(f"faults: {'FAIL' if failed else 'no failure'} ({sum(r.outcome != F.NOT_RUN for r in results)} run, "
+                 f"{sum(r.outcome == F.NOT_RUN for r in results)} not run); report {j}, {m}")
+    o.result("\n".join(lines), {**doc, "report": [str(j), str(m)]})
+    exit_with(1 if failed else 0)

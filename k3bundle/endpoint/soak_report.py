@@ -1,0 +1,99 @@
+"""The soak as the checklist reads it: ``soak.json`` (docs/bring-up.md's format) and ``soak.md``.
+
+The checklist's keys come first (``hours``, ``host_memory_growth_bytes``,
+``device_memory_growth_bytes``, ``golden_rechecks``, ``golden_recheck_failures``, ``hangs``);
+the rest extends the format: ``complete`` (false for a run stopped early), ``verdict``, the
+request counts, every named failure, the latency windows, the memory samples' slopes. What was
+not measured is null, never a made-up zero: device memory (the soak has no view of it), golden
+re-checks (``k3bundle validate --dumps`` runs them, not the soak).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3bundle.endpoint.soak import SoakRun, after_warmup, host_growth, latency, slope_per_hour, windows
+from k3bundle.io.files import write_atomic
+
+JSON_NAME, MD_NAME = "soak.json", "soak.md"
+
+
+def verdict(run: SoakRun) -> str:
+    if run.failures:
+        return "FAIL"
+    return "PASS" if run.complete else "INCOMPLETE"
+
+
+def to_json(run: SoakRun, *, kind: str, schema_version: int, endpoint: str, model: str, max_tokens: int,
+            timeout_s: float, skipped: dict[str, str], host_limit_bytes: int, per_pass: int) -> dict:
+    count = {k: sum(f.kind == k for f in run.failures) for k in ("determinism", "hang", "error", "leak")}
+    first, last = windows(run.sent, run.elapsed_s, per_pass)
+    lat_first, lat_last = latency(first), latency(last)
+    drift = {k: (lat_last[k] / lat_first[k] if lat_first[k] and lat_last[k] else None) for k in ("ttft_s", "tpot_s")}
+    gauges = {}
+    for name, pts in run.gauges.items():
+        late = after_warmup(pts, run.elapsed_s)
+        gauges[name] = {"first": pts[0][1], "last": pts[-1][1], "samples": len(pts),
+                        "slope_per_hour": slope_per_hour(late)}
+    mem = after_warmup(run.memory, run.elapsed_s)
+    return {
+        "kind": kind, "schema_version": schema_version,
+        "hours": run.elapsed_s / 3600.0,
+        "host_memory_growth_bytes": host_growth(run),
+        "device_memory_growth_bytes": None,
+        "golden_rechecks": None, "golden_recheck_failures": None,
+        "hangs": count["hang"],
+        "complete": run.complete, "verdict": verdict(run),
+        "endpoint": endpoint, "model": model, "max_tokens": max_tokens, "timeout_s": timeout_s,
+        "passes": run.passes, "requests": len(run.sent), "errors": count["error"],
+        "error_rate": count["error"] / len(run.sent) if run.sent else None,
+        "determinism_failures": count["determinism"],
+        "failures": [f.to_dict() for f in run.failures],
+        "latency": {"first_window": lat_first, "last_window": lat_last, "drift": drift},
+        "host_memory": {"source": run.memory_source, "samples": len(run.memory),
+                        "first_bytes": run.memory[0][1] if run.memory else None,
+                        "last_bytes": run.memory[-1][1] if run.memory else None,
+                        "slope_bytes_per_hour": slope_per_hour(mem), "limit_bytes": host_limit_bytes},
+        "metrics": gauges,
+        "skipped_cases": skipped,
+    }
+
+
+def _num(v, fmt: str = "{:.4g}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def to_markdown(doc: dict) -> str:
+    lat, mem = doc["latency"], doc["host_memory"]
+    lines = [f"# Soak: {doc['verdict']}", "",
+             f"Endpoint `{doc['endpoint']}`, model `{doc['model']}`, {doc['hours'] * 60:.2f} min "
+             f"({'complete' if doc['complete'] else 'interrupted: incomplete'}), {doc['passes']} passes, "
+             f"{doc['requests']} requests, max_tokens {doc['max_tokens']}, watchdog {doc['timeout_s']:g} s.", "",
+             "| measure | value |", "|---|---|",
+             f"| errors | {doc['errors']} (rate {_num(doc['error_rate'])}) |",
+             f"| hangs | {doc['hangs']} |",
+             f"| determinism failures | {doc['determinism_failures']} |",
+             f"| TTFT first / last window (s) | {_num(lat['first_window']['ttft_s'])} / "
+             f"{_num(lat['last_window']['ttft_s'])} (x{_num(lat['drift']['ttft_s'], '{:.3f}')}) |",
+             f"| TPOT first / last window (s) | {_num(lat['first_window']['tpot_s'])} / "
+             f"{_num(lat['last_window']['tpot_s'])} (x{_num(lat['drift']['tpot_s'], '{:.3f}')}) |",
+             f"| host memory ({mem['source'] or 'not measured'}) | {_num(mem['first_bytes'], '{:,}')} → "
+             f"{_num(mem['last_bytes'], '{:,}')} B, slope {_num(mem['slope_bytes_per_hour'], '{:,.0f}')} B/h, "
+             f"fitted growth {_num(doc['host_memory_growth_bytes'], '{:,}')} B (limit {mem['limit_bytes']:,} B) |"]
+    for name, g in doc["metrics"].items():
+        lines.append(f"| {name} | {g['first']:.4g} → {g['last']:.4g}, slope {_num(g['slope_per_hour'])} /h |")
+    if doc["skipped_cases"]:
+        lines += ["", "Not sent: " + "; ".join(f"{k} ({v})" for k, v in doc["skipped_cases"].items()) + "."]
+    fails = doc["failures"]
+    lines += ["", "## Failures", ""] + [f"- {f['kind']}: {f['request']} at {f['at_s']:.1f} s: {f['detail']}"
+                                        for f in fails] if fails else ["", "No failures."]
+    return "\n".join(lines) + "\n"
+
+
+def write(doc: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    j, m = out / JSON_NAME, out / MD_NAME
+    write_atomic(j, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(m, to_markdown(doc))
+    return j, m
