@@ -106,7 +106,7 @@ def client_disconnect(ep: Endpoint, req: GoldenRequest, ref: Sent, max_tokens: i
         stream.close()
     except Exception as e:  # noqa: BLE001  (whatever the stream did, the point is what happens next)
         return _judged(FaultResult("client_disconnect", FAILED, f"{type(e).__name__}: {e}",
-                                   detail="the long stream did not start"), ep, req, ref, max_tokens, timeout_s)
+                                   detail="the long stream failed before the client left"), ep, req, ref, max_tokens, timeout_s)
     r = FaultResult("client_disconnect", SURVIVED, detail=f"left a {tokens}-token stream after {got} chunks")
     return _judged(r, ep, req, ref, max_tokens, timeout_s)
 

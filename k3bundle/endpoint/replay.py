@@ -98,6 +98,12 @@ def _piece(choice) -> tuple[str, list[int]]:
     return text, ids
 
 
+def _is_timeout(e: BaseException) -> bool:
+    """A read or connect timeout, from openai or from its HTTP transport (which one varies by version)."""
+    return isinstance(e, (openai.APITimeoutError, TimeoutError)) or any(
+        "Timeout" in c.__name__ for c in type(e).__mro__)
+
+
 def send(ep: Endpoint, req: GoldenRequest, max_tokens: int, timeout_s: float, t0: float) -> Sent:
     """Stream ``req`` greedily under a ``timeout_s`` watchdog; never raises for the endpoint's sake."""
     client = ep.client.with_options(timeout=timeout_s)
@@ -136,14 +142,15 @@ def send(ep: Endpoint, req: GoldenRequest, max_tokens: int, timeout_s: float, t0
                 break
         if not out.hang and not times:
             out.error = "the stream ended with no output"
-    except openai.APITimeoutError:
-        out.hang, out.error = True, f"no answer for {timeout_s:g} s ({len(times)} output chunks so far): watchdog"
     except openai.APIStatusError as e:
         err = e.body.get("error", e.body) if isinstance(e.body, dict) else None
         msg = err.get("message") if isinstance(err, dict) else None
         out.status, out.error = e.status_code, f"HTTP {e.status_code}: {msg or e.message}"
-    except openai.APIError as e:
-        out.error = f"{type(e).__name__}: {e.__cause__ or e}"
+    except Exception as e:  # noqa: BLE001  (the stream's reads raise the transport's own errors, unwrapped)
+        if _is_timeout(e):
+            out.hang, out.error = True, f"no answer for {timeout_s:g} s ({len(times)} output chunks so far): watchdog"
+        else:
+            out.error = f"{type(e).__name__}: {e.__cause__ or e}"
     finally:
         if stream is not None:
             stream.close()  # a hung request's connection goes, so the engine can see its client leave

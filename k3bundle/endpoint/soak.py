@@ -60,6 +60,7 @@ class SoakRun:
     elapsed_s: float = 0.0
     complete: bool = False
     passes: int = 0
+    first: dict[str, Sent] = field(default_factory=dict)  # each request's first answer (the reference)
 
 
 def slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
@@ -149,7 +150,8 @@ def run(ep: Endpoint, requests: Sequence[GoldenRequest], duration_s: float, *, m
         host_limit_bytes: int | None = None, say: Callable[[str], None] = lambda s: None,
         every_s: float = 10.0) -> SoakRun:
     """Replay ``requests`` for ``duration_s``; Ctrl-C ends it early with ``complete`` False."""
-    out, first = SoakRun(duration_s), {}
+    out = SoakRun(duration_s)
+    first = out.first
     sampler = _Sampler(host_memory, metrics)
     t0 = time.perf_counter()
     last_say = t0

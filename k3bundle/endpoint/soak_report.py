@@ -57,6 +57,8 @@ def to_json(run: SoakRun, *, kind: str, schema_version: int, endpoint: str, mode
                         "slope_bytes_per_hour": slope_per_hour(mem), "limit_bytes": host_limit_bytes},
         "metrics": gauges,
         "skipped_cases": skipped,
+        "reference_outputs": {k: {"token_ids": v.token_ids, "text": v.text, "finish_reason": v.finish_reason}
+                              for k, v in run.first.items()},
     }
 
 

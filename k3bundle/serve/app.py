@@ -12,6 +12,7 @@ server keeps serving after any of them. docs/endpoint.md describes the fields.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -33,6 +34,7 @@ from k3bundle.serve.errors import ServeError
 #: for a CPU executor); a completions request defaults to 16 as OpenAI's does
 CHAT_MAX_TOKENS = 256
 COMPLETION_MAX_TOKENS = 16
+DISCONNECT_POLL_S = 0.5
 
 
 class _Request(BaseModel):
@@ -127,7 +129,7 @@ def create_app(engine: Engine) -> FastAPI:
                                             "owned_by": "k3bundle", "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    def chat(req: ChatRequest, request: Request):
         max_tokens = req.max_completion_tokens or req.max_tokens
         _check(req, max_tokens)
         kw = dict(req.chat_template_kwargs or {})
@@ -143,7 +145,7 @@ def create_app(engine: Engine) -> FastAPI:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
         tokens = engine.generate(prompt, max_tokens)
         if req.stream:
-            return _streaming(_chat_stream(engine, req, head, prompt, tokens, thinking), tokens)
+            return _streaming(_chat_stream(engine, req, head, prompt, tokens, thinking), tokens, request)
         parser, ids, reason = engine.parser(thinking), [], None
         for token, reason in tokens:
             ids.append(token)
@@ -161,7 +163,7 @@ def create_app(engine: Engine) -> FastAPI:
         return out
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    def completions(req: CompletionRequest, request: Request):
         max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         _check(req, max_tokens)
         if req.echo:
@@ -176,7 +178,7 @@ def create_app(engine: Engine) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.name}
         tokens = engine.generate(prompt, max_tokens)
         if req.stream:
-            return _streaming(_completion_stream(engine, req, head, prompt, tokens), tokens)
+            return _streaming(_completion_stream(engine, req, head, prompt, tokens), tokens, request)
         ids, reason = [], None
         for token, reason in tokens:
             ids.append(token)
@@ -189,15 +191,26 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-def _streaming(events: Iterator[str], tokens: TokenStream) -> StreamingResponse:
-    """Server-sent events; a client that disconnects cancels this generator, which stops the decode."""
+def _streaming(events: Iterator[str], tokens: TokenStream, request: Request) -> StreamingResponse:
+    """Server-sent events; a client that disconnects stops the decode. A failed write shows a
+    disconnect only when there is something to write, so a watcher also asks the connection every
+    ``DISCONNECT_POLL_S``: a decode stalled between tokens is stopped too, not left holding the engine."""
+
+    async def watch():
+        while not tokens.cancelled.is_set():
+            if await request.is_disconnected():
+                tokens.close()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
 
     async def guarded():
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
             async for event in iterate_in_threadpool(events):
                 yield event
         finally:
             tokens.close()
+            watcher.cancel()
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
 
