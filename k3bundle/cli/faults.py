@@ -12,9 +12,8 @@ import typer
 from k3bundle.checklist.faults import FAULT_PATHS
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, FAULTS_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
-from k3bundle.endpoint import Endpoint, EndpointError
-from k3bundle.endpoint import faults as F
-from k3bundle.endpoint.replay import golden_requests
+from k3bundle.endpoint import EndpointError
+from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
 from k3bundle.io.files import write_atomic
 
@@ -41,6 +40,12 @@ def faults(
 ) -> None:
     """Provoke each fault, re-validate after it; exit 0 when none failed, 1 when one did, 2 bad input or unreachable."""
     o = Output(json_)
+    try:  # the openai package comes with the serve extra: without it every other command still runs
+        from k3bundle.endpoint import Endpoint
+        from k3bundle.endpoint import faults as F
+        from k3bundle.endpoint.replay import golden_requests
+    except ModuleNotFoundError as e:
+        raise K3Error(f"k3bundle faults needs the {e.name} package: pip install 'k3bundle[serve]'") from None
     requests, _ = golden_requests(load_cases(cases))
     req = next((r for r in requests if r.name == case), None)
     if req is None:

@@ -11,9 +11,8 @@ import typer
 from k3bundle.checklist.faults import SOAK_HOST_GROWTH_LIMIT_BYTES
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, SOAK_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
-from k3bundle.endpoint import Endpoint, EndpointError
-from k3bundle.endpoint import metrics_text, soak as S, soak_report
-from k3bundle.endpoint.replay import golden_requests
+from k3bundle.endpoint import EndpointError, metrics_text
+from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
 
 EXAMPLES = [
@@ -59,6 +58,12 @@ def soak(
 ) -> None:
     """Replay the golden cases greedily; exit 0 pass, 1 a named failure, 130 interrupted, 2 bad input or unreachable."""
     o = Output(json_)
+    try:  # the openai package comes with the serve extra: without it every other command still runs
+        from k3bundle.endpoint import Endpoint
+        from k3bundle.endpoint import soak as S, soak_report
+        from k3bundle.endpoint.replay import golden_requests
+    except ModuleNotFoundError as e:
+        raise K3Error(f"k3bundle soak needs the {e.name} package: pip install 'k3bundle[serve]'") from None
     if (minutes is None) == (hours is None):
         raise EndpointError("give one of --minutes M or --hours H")
     duration = (minutes or 0) * 60 + (hours or 0) * 3600
