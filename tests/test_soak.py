@@ -190,3 +190,27 @@ def test_bad_soak_input_is_one_line(tmp_path):
     r = run_cli("soak", "--endpoint", "http://127.0.0.1:9/v1", "--minutes", "1", "--out", str(tmp_path))
     assert r.returncode == 2 and "unreachable" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "soak.json").exists()
+
+
+def test_ctrl_c_writes_what_was_measured_marked_incomplete(tiny_trained_ckpt, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from k3bundle.serve import Engine
+
+    with serving(Engine(tiny_trained_ckpt)) as url:
+        p = subprocess.Popen([sys.executable, "-m", "k3bundle", "soak", "--endpoint", url, "--minutes", "10",
+                              "--max-tokens", "2", "--case", "greedy", "--out", str(tmp_path)],
+                             env={**os.environ, **ENV, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not p.stderr.readline().startswith("soak: 1 requests per pass"):  # the clock has started
+            assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, out + err
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    assert doc["complete"] is False and doc["verdict"] == "INCOMPLETE" and doc["requests"] >= 1
+    assert "interrupted" in err and "soak: INCOMPLETE" in out
