@@ -76,6 +76,22 @@ def test_a_short_soak_of_the_clean_server_passes(tiny_trained_ckpt, tmp_path):
     assert lat["first_window"]["ttft_s"] > 0 and lat["last_window"]["tpot_s"] > 0
 
 
+def test_without_a_pid_host_memory_comes_from_the_servers_metrics(tiny_trained_ckpt, tmp_path):
+    from k3bundle.serve import Engine
+
+    with serving(Engine(tiny_trained_ckpt)) as url:
+        r = _soak(url, tmp_path, "--minutes", "0.05", "--max-tokens", "2", "--case", "greedy")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "metrics http://127.0.0.1:" in r.stderr
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    mem = doc["host_memory"]
+    assert mem["source"] == "/metrics process_resident_memory_bytes" and mem["samples"] == doc["requests"] + 1
+    # the server is this process: its resident memory, as this test reads it from /proc
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    assert 0.5 < mem["last_bytes"] / (int(fields["VmRSS"].split()[0]) * 1024) < 2
+    assert doc["metrics"]["process_resident_memory_bytes"]["samples"] == doc["requests"] + 1
+
+
 def test_the_planted_nondeterministic_decode_is_named(tiny_trained_ckpt, tmp_path):
     from k3bundle.serve import Engine
 

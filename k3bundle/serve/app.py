@@ -17,11 +17,12 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
@@ -123,6 +124,10 @@ def create_app(engine: Engine) -> FastAPI:
     def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(_metrics(engine), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0,
@@ -189,6 +194,22 @@ def create_app(engine: Engine) -> FastAPI:
         return {**head, "object": "text_completion", "choices": [choice], "usage": _usage(len(prompt), len(ids))}
 
     return app
+
+
+def _metrics(engine: Engine) -> str:
+    """Prometheus text: the process's resident memory (named as prometheus_client's process
+    collector names it, which vLLM and SGLang export too), requests decoded, one running or not."""
+    lines = ["# TYPE k3bundle_serve_requests_total counter", f"k3bundle_serve_requests_total {engine.served}",
+             "# TYPE k3bundle_serve_requests_running gauge",
+             f"k3bundle_serve_requests_running {int(engine.lock.locked())}"]
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:  # not Linux: no resident memory to report
+        status = ""
+    rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+    if rss is not None:
+        lines += ["# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
+    return "\n".join(lines) + "\n"
 
 
 def _streaming(events: Iterator[str], tokens: TokenStream, request: Request) -> StreamingResponse:
