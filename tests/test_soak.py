@@ -132,6 +132,29 @@ def test_a_hung_request_is_named_by_the_watchdog_and_the_soak_goes_on(tiny_train
     assert took < 0.25 * 60 + 60  # bounded by the duration and one watchdog, not stuck
 
 
+def test_a_server_that_keeps_memory_per_request_is_named_a_leak(tiny_trained_ckpt, tmp_path):
+    from k3bundle.checklist.faults import SOAK_HOST_GROWTH_LIMIT_BYTES
+    from k3bundle.serve import Engine
+    from k3bundle.serve.engine import LEAK_BYTES
+
+    engine = Engine(tiny_trained_ckpt, fault="leak")
+    try:
+        with serving(engine) as url:
+            # about 24 requests in the 15 s on 2 shared cores; 9 after warm-up already pass the limit
+            r = _soak(url, tmp_path, "--minutes", "0.25", "--max-tokens", "1", "--case", "greedy",
+                      "--server-pid", str(os.getpid()))
+    finally:
+        engine.leaked.clear()
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    leaks = [f for f in doc["failures"] if f["kind"] == "leak"]
+    assert len(leaks) == 1 and leaks[0]["request"] == "(server)" and "host memory grew" in leaks[0]["detail"]
+    # the fitted growth is what was planted: above the limit, and no more than every request's share
+    grew = doc["host_memory_growth_bytes"]
+    assert SOAK_HOST_GROWTH_LIMIT_BYTES < grew <= 1.1 * LEAK_BYTES * doc["requests"]
+    assert doc["host_memory"]["slope_bytes_per_hour"] > 0
+
+
 def test_the_checklist_reads_the_soak_file(tiny_trained_ckpt, tmp_path):
     """A short soak cannot sign off (24 h, device memory and golden re-checks are not its to give);
     with those supplied as a long run would, a clean file ticks the stage and a failing one does not."""

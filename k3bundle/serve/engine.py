@@ -32,9 +32,11 @@ from k3bundle.tokenizer import load_tiktoken
 #: planted faults: the parser bypassed (raw markup in ``content``), ``<|end_of_msg|>`` rendered
 #: as the next special id, tie-break noise on the logits (greedy decode no longer repeatable), and
 #: every ``HANG_EVERY``-th request stalled after its first token until its client goes away (a
-#: stuck engine, for the soak's watchdog)
-FAULTS = ("markup-in-content", "wrong-special-id", "nondeterministic", "hang")
+#: stuck engine, for the soak's watchdog), and ``LEAK_BYTES`` of host memory kept per request
+FAULTS = ("markup-in-content", "wrong-special-id", "nondeterministic", "hang", "leak")
 HANG_EVERY = 3
+#: host memory the planted leak keeps per request (written, so resident)
+LEAK_BYTES = 32 << 20
 FAULT_ENV = "K3BUNDLE_SERVE_FAULT"
 #: scale of the planted noise, in logits: large enough to move the argmax within a few tokens
 NOISE = 2.0
@@ -74,6 +76,7 @@ class Engine:
         self.max_model_len = int(max_model_len or context or 0) or None
         self.lock = threading.Lock()
         self.served = 0  # requests decoded so far (the planted hang counts them)
+        self.leaked: list[bytearray] = []  # the planted leak's memory
         self._noise = torch.Generator().manual_seed(torch.seed())  # the planted fault's only randomness
 
     # ---- prompts
@@ -134,6 +137,8 @@ class Engine:
                 if stream.cancelled.is_set():
                     return
                 self.served += 1
+                if self.fault == "leak":  # planted: memory kept per request, never freed
+                    self.leaked.append(bytearray(b"\x01") * LEAK_BYTES)
                 hang = self.fault == "hang" and self.served % HANG_EVERY == 0
                 logits, cache = self.executor.prefill(prompt)
                 row = logits[-1]
