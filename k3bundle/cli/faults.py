@@ -12,6 +12,7 @@ import typer
 from k3bundle.checklist.faults import FAULT_PATHS
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, FAULTS_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
+from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
 from k3bundle.endpoint import EndpointError
 from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
@@ -19,6 +20,7 @@ from k3bundle.io.files import write_atomic
 
 EXAMPLES = [
     "k3bundle faults --endpoint http://127.0.0.1:8000/v1 --out /tmp/faults",
+    "k3bundle faults /data/k3-bundle --device cuda",
     "k3bundle faults --endpoint http://gpu-host:8000/v1 --out /data/k3-bundle/reports",
 ]
 #: where k3bundle itself exercises part of a hardware fault path (run on the bundle, not the endpoint)
@@ -27,9 +29,12 @@ LOCAL = {"bad_page": "; k3bundle's own check of the cache and KDA state a server
 
 
 def faults(
-    endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Report folder: faults.json and faults.md (a bundle's "
-                                                          "reports/ is where the checklist reads it).")] = Path("reports"),
+    source: BundleArg = None,
+    endpoint: EndpointOpt = None,
+    device: DeviceOpt = "cpu",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report folder: faults.json and faults.md (default: "
+                                                                 "BUNDLE/reports, where the checklist reads it; "
+                                                                 "with --endpoint, ./reports).")] = None,
     model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens of the reference request.")] = 16,
     timeout: Annotated[float, typer.Option(help="Watchdog: seconds a request may take before it is a hang.")] = 120.0,
@@ -46,18 +51,21 @@ def faults(
         from k3bundle.endpoint.replay import golden_requests
     except ModuleNotFoundError as e:
         raise K3Error(f"k3bundle faults needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    check_one("faults", endpoint, source)
+    out = report_dir(out, source, Path("reports"))
     requests, _ = golden_requests(load_cases(cases))
     req = next((r for r in requests if r.name == case), None)
     if req is None:
         raise EndpointError(f"--case {case!r} is not a case faults can send (known: {', '.join(r.name for r in requests)})")
-    ep = Endpoint(endpoint, model=model, api_key=api_key)
-    served = ep.models()
-    if model is not None and model not in served:
-        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
     not_run = [(f.key, f"on the target: {f.inject}; then record the outcome (clear error: {f.clear_error})"
                 + LOCAL.get(f.key, "")) for f in FAULT_PATHS]
-    results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run,
-                    say=lambda s: sys.stderr.write(s + "\n"))
+    say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
+    with endpoint_url(endpoint, source, device, say) as url:
+        ep = Endpoint(url, model=model, api_key=api_key)
+        served = ep.models()
+        if model is not None and model not in served:
+            raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+        results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run, say=say)
     doc = {"kind": FAULTS_KIND, "schema_version": EVIDENCE_SCHEMA_VERSION, "endpoint": ep.base_url,
            "model": ep.model, "faults": [r.to_dict() for r in results]}
     out.mkdir(parents=True, exist_ok=True)

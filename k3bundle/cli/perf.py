@@ -9,15 +9,16 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
+from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
 from k3bundle.endpoint.errors import EndpointError
 from k3bundle.endpoint.workloads import load_workload
 from k3bundle.errors import K3Error
-from k3bundle.file_names import REPORTS_DIR
 
 EXAMPLES = [
     "k3bundle perf --endpoint http://127.0.0.1:8000/v1 --workload 1k-1k --scale 0.01 --concurrency 1,2 --out /tmp/perf",
     "k3bundle perf --endpoint http://gpu-host:8000/v1 --workload agentic --concurrency 1,4,16,64 --target b300-tp8 "
     "--bundle /bundles/k3-b300",
+    "k3bundle perf /bundles/k3-b300 --device cuda --workload 1k-1k --concurrency 1,2",
     "k3bundle perf --endpoint http://gpu-host:8000 --workload 8k-1k --target b300-tp8 --draft-tokens 3 --out perf",
 ]
 
@@ -33,8 +34,10 @@ def _levels(text: str) -> list[int]:
 
 
 def perf(
-    endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1.")],
     workload: Annotated[str, typer.Option(help="A shipped workload (agentic, 8k-1k, 1k-1k) or a workload YAML file.")],
+    source: BundleArg = None,
+    endpoint: EndpointOpt = None,
+    device: DeviceOpt = "cpu",
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,2,4",
     target: Annotated[str | None, typer.Option(help="The layout whose roofline bounds the figures (a name or a "
                                                     "layout YAML); none: no ratios.")] = None,
@@ -61,23 +64,25 @@ def perf(
         from k3bundle.endpoint.perf_report import to_json, write_report
     except ModuleNotFoundError as e:
         raise K3Error(f"k3bundle perf needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    check_one("perf", endpoint, source)
     levels = _levels(concurrency)
-    if out is None and bundle is None:
-        raise EndpointError("give --out DIR for the report, or --bundle B (the report then goes to B/reports)")
+    bundle = bundle if bundle is not None else source
     if draft_tokens is not None and draft_tokens < 1:
         raise EndpointError(f"--draft-tokens must be at least 1, got {draft_tokens}")
-    out = out if out is not None else bundle / REPORTS_DIR
+    out = report_dir(out, bundle)
     w = load_workload(workload).scaled(scale)
     bounds = None
     if target is not None:  # the plan's imports (torch among them) only when there is a bound to take
         from k3bundle.checklist.build import performance_bounds
 
         bounds = performance_bounds(target, config=config, bundle=bundle)
-    ep = Endpoint(endpoint, model=model, api_key=api_key)
-    served = ep.models()  # unreachable: one line, exit 2, before anything is sent
-    if model is not None and model not in served:
-        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
-    result = sweep(ep, w, levels, bounds, draft_tokens, say=lambda s: sys.stderr.write(s + "\n"))
+    say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
+    with endpoint_url(endpoint, source, device, say) as url:
+        ep = Endpoint(url, model=model, api_key=api_key)
+        served = ep.models()  # unreachable: one line, exit 2, before anything is sent
+        if model is not None and model not in served:
+            raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+        result = sweep(ep, w, levels, bounds, draft_tokens, say=say)
     doc = to_json(ep.base_url, ep.model, w, target, result)
     j, h = write_report(doc, result, out)
     lines = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,12 +12,14 @@ import typer
 from k3bundle.checklist.faults import SOAK_HOST_GROWTH_LIMIT_BYTES
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, SOAK_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
+from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
 from k3bundle.endpoint import EndpointError, metrics_text
 from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
 
 EXAMPLES = [
     "k3bundle soak --endpoint http://127.0.0.1:8000/v1 --minutes 10 --out /tmp/soak",
+    "k3bundle soak /data/k3-bundle --device cuda --minutes 30",
     "k3bundle soak --endpoint http://gpu-host:8000/v1 --hours 24 --server-pid 4242 --out /data/k3-bundle/reports",
 ]
 
@@ -39,11 +42,14 @@ def host_memory_of(pid: int):
 
 
 def soak(
-    endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1.")],
+    source: BundleArg = None,
+    endpoint: EndpointOpt = None,
+    device: DeviceOpt = "cpu",
     minutes: Annotated[float | None, typer.Option(help="Run for this many minutes.")] = None,
     hours: Annotated[float | None, typer.Option(help="Run for this many hours (the sign-off needs 24-72).")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Report folder: soak.json and soak.md (a bundle's "
-                                                          "reports/ is where the checklist reads it).")] = Path("reports"),
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report folder: soak.json and soak.md (default: "
+                                                                 "BUNDLE/reports, where the checklist reads it; "
+                                                                 "with --endpoint, ./reports).")] = None,
     model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 64,
     timeout: Annotated[float, typer.Option(help="Watchdog: seconds a request may take before it is a hang.")] = 120.0,
@@ -59,11 +65,12 @@ def soak(
     """Replay the golden cases greedily; exit 0 pass, 1 a named failure, 130 interrupted, 2 bad input or unreachable."""
     o = Output(json_)
     try:  # the openai package comes with the serve extra: without it every other command still runs
-        from k3bundle.endpoint import Endpoint
-        from k3bundle.endpoint import soak as S, soak_report
+        from k3bundle.endpoint import Endpoint, soak_report  # noqa: F401  (Endpoint: the openai package)
         from k3bundle.endpoint.replay import golden_requests
     except ModuleNotFoundError as e:
         raise K3Error(f"k3bundle soak needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    check_one("soak", endpoint, source)
+    out = report_dir(out, source, Path("reports"))
     if (minutes is None) == (hours is None):
         raise EndpointError("give one of --minutes M or --hours H")
     duration = (minutes or 0) * 60 + (hours or 0) * 3600
@@ -75,20 +82,11 @@ def soak(
         if bad is not None:
             raise EndpointError(f"--case {bad!r} is not a case soak sends (known: {', '.join(r.name for r in requests)})")
         requests = [r for r in requests if r.name in case]
-    ep = Endpoint(endpoint, model=model, api_key=api_key)
-    served = ep.models()  # unreachable: one line, exit 2, before the clock starts
-    if model is not None and model not in served:
-        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
-    memory = host_memory_of(server_pid) if server_pid is not None else None
-    url = metrics or ep.base_url.removesuffix("/v1") + "/metrics"
-    scrape = (lambda: metrics_text.scrape(url)) if metrics_text.scrape(url) is not None else None
-    if metrics is not None and scrape is None:
-        raise EndpointError(f"--metrics {metrics}: no Prometheus metrics there")
     say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
-    say(f"soak: {len(requests)} requests per pass against {ep.base_url} ({ep.model}) for {duration / 60:g} min"
-        + (f", metrics {url}" if scrape else ", no /metrics"))
-    run = S.run(ep, requests, duration, max_tokens=max_tokens, timeout_s=timeout, host_memory=memory,
-                metrics=scrape, host_limit_bytes=SOAK_HOST_GROWTH_LIMIT_BYTES, say=say)
+    with endpoint_url(endpoint, source, device, say) as url:
+        run, ep = _soak(url, requests, duration, model, api_key, max_tokens, timeout,
+                        # served here: the server's host memory is this process's own
+                        os.getpid() if source is not None and server_pid is None else server_pid, metrics, say)
     doc = soak_report.to_json(run, kind=SOAK_KIND, schema_version=EVIDENCE_SCHEMA_VERSION, endpoint=ep.base_url,
                               model=ep.model, max_tokens=max_tokens, timeout_s=timeout, skipped=skipped,
                               host_limit_bytes=SOAK_HOST_GROWTH_LIMIT_BYTES, per_pass=len(requests))
@@ -97,3 +95,24 @@ def soak(
     lines.append(f"soak: {doc['verdict']} ({doc['requests']} requests in {doc['hours'] * 60:.1f} min); report {j}, {m}")
     o.result("\n".join(lines), {**doc, "report": [str(j), str(m)]})
     exit_with({"PASS": 0, "FAIL": 1}.get(doc["verdict"], 130))
+
+
+def _soak(url, requests, duration, model, api_key, max_tokens, timeout, server_pid, metrics, say):
+    """The run against ``url``: (the soak's run, the endpoint)."""
+    from k3bundle.endpoint import Endpoint
+    from k3bundle.endpoint import soak as S
+
+    ep = Endpoint(url, model=model, api_key=api_key)
+    served = ep.models()  # unreachable: one line, exit 2, before the clock starts
+    if model is not None and model not in served:
+        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+    memory = host_memory_of(server_pid) if server_pid is not None else None
+    murl = metrics or ep.base_url.removesuffix("/v1") + "/metrics"
+    scrape = (lambda: metrics_text.scrape(murl)) if metrics_text.scrape(murl) is not None else None
+    if metrics is not None and scrape is None:
+        raise EndpointError(f"--metrics {metrics}: no Prometheus metrics there")
+    say(f"soak: {len(requests)} requests per pass against {ep.base_url} ({ep.model}) for {duration / 60:g} min"
+        + (f", metrics {murl}" if scrape else ", no /metrics"))
+    run = S.run(ep, requests, duration, max_tokens=max_tokens, timeout_s=timeout, host_memory=memory,
+                metrics=scrape, host_limit_bytes=SOAK_HOST_GROWTH_LIMIT_BYTES, say=say)
+    return run, ep
