@@ -78,8 +78,12 @@ def test_perf_bundle_sweeps_the_served_bundle_into_its_reports(ckpt):
     assert (ckpt / "reports" / "performance.html").is_file()
 
 
-def test_faults_bundle_runs_the_endpoint_faults_on_the_served_bundle(ckpt):
-    context = json.loads((ckpt / "config.json").read_text())["text_config"]["max_position_embeddings"]
+def test_faults_bundle_runs_the_endpoint_faults_and_locates_a_corrupted_cache_page(ckpt):
+    from k3bundle.checklist.stages import fault_paths_stage
+    from k3bundle.config import load_config
+
+    text = json.loads((ckpt / "config.json").read_text())["text_config"]
+    context = text["max_position_embeddings"]
     r = run_cli("faults", str(ckpt), "--max-tokens", "4", "--timeout", "60", env=ENV)
     assert r.returncode == 0, r.stdout + r.stderr
     got = {f["fault"]: f for f in json.loads((ckpt / "reports" / "faults.json").read_text())["faults"]}
@@ -87,6 +91,15 @@ def test_faults_bundle_runs_the_endpoint_faults_on_the_served_bundle(ckpt):
     assert over["outcome"] == "clean_error" and over["revalidated"] is True
     assert f"maximum context length is {context} tokens" in over["error"]
     assert got["client_disconnect"]["outcome"] == "survived" and got["malformed_request"]["revalidated"] is True
+    # planted on the bundle's own serving path: each located at the first KDA layer, on the array it breaks
+    kda0 = load_config(ckpt / "config.json").text.kda_layers[0]
+    for key, array in (("kda_snapshot_transposed", "kda_state"), ("conv_page_dropped", "kda_conv")):
+        f = got[key]
+        assert f["outcome"] == "detected" and f["revalidated"] is True, f
+        assert f"restore.layers.{kda0}.{array}" in f["error"] and f"layer {kda0}," in f["detail"], f
+    assert got["bad_page"]["outcome"] == "not_run"  # the hardware fault itself is still the target's to inject
+    notes = fault_paths_stage(ckpt).notes
+    assert any(n.startswith("kda_snapshot_transposed: detected") for n in notes), notes
 
 
 @pytest.mark.parametrize("command, extra", [("perf", ["--workload", "1k-1k"]), ("soak", ["--minutes", "1"]),
@@ -97,3 +110,19 @@ def test_both_or_neither_of_endpoint_and_bundle_is_one_line(tiny_trained_ckpt, t
     for r, says in ((both, "not both"), (neither, "give --endpoint URL, or BUNDLE")):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_planted_fault_that_corrupts_nothing_is_recorded_unseen_never_detected(tiny_trained_ckpt, monkeypatch):
+    """The control: a 'fault' whose save and load are the clean ones must not come out detected."""
+    from k3bundle.bundle.open_weights import open_weights
+    from k3bundle.executor.serving import CacheIO
+    from k3bundle.golden.cases import load_cases
+    from k3bundle.tokenizer import load_tiktoken
+    from k3bundle.validate import serving_faults as SF
+
+    monkeypatch.setitem(SF.PLANTED, "nothing", ("nothing planted", CacheIO(), "kda_state"))
+    case = next(c for c in load_cases(REPO / "golden" / "cases") if c.name == SF.CASE)
+    ids = case.build_ids(load_tiktoken(tiny_trained_ckpt))
+    (x,) = SF.run_planted(open_weights(tiny_trained_ckpt, "bfloat16", "cpu"), ids, names=("nothing",))
+    assert (x.detected, x.tap, x.layer, x.clean_passed) == (False, "", None, True)
+    assert x.moved == 0.0  # the same bytes back: the continuation is the uninterrupted run's, bit for bit

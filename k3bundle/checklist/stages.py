@@ -338,7 +338,7 @@ def fault_paths_stage(bundle: Path | None) -> Stage:
     for key, e in got.items():
         if key in {f.key for f in F.FAULT_PATHS} or e.get("outcome") == "not_run":
             continue
-        if e.get("outcome") not in ("clean_error", "survived") or e.get("revalidated") is not True:
+        if e.get("outcome") not in ("clean_error", "survived", "detected") or e.get("revalidated") is not True:
             gaps.append(f"{key}: outcome {e.get('outcome')!r}, re-validated {e.get('revalidated')!r}"
                         + (f" ({e['error']})" if e.get("error") else ""))
         else:

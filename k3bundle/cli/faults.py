@@ -25,7 +25,8 @@ EXAMPLES = [
 ]
 #: where k3bundle itself exercises part of a hardware fault path (run on the bundle, not the endpoint)
 LOCAL = {"bad_page": "; k3bundle's own check of the cache and KDA state a server resumes from: "
-                     "`k3bundle validate BUNDLE --serving`"}
+                     "`k3bundle validate BUNDLE --serving`, and `k3bundle faults BUNDLE` plants a corrupted cache "
+                     "page / KDA snapshot there"}
 
 
 def faults(
@@ -66,6 +67,8 @@ def faults(
         if model is not None and model not in served:
             raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
         results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run, say=say)
+    if source is not None:
+        results += cache_faults(source, device, cases, say)
     doc = {"kind": FAULTS_KIND, "schema_version": EVIDENCE_SCHEMA_VERSION, "endpoint": ep.base_url,
            "model": ep.model, "faults": [r.to_dict() for r in results]}
     out.mkdir(parents=True, exist_ok=True)
@@ -83,3 +86,27 @@ def faults(
                  f"{sum(r.outcome == F.NOT_RUN for r in results)} not run); report {j}, {m}")
     o.result("\n".join(lines), {**doc, "report": [str(j), str(m)]})
     exit_with(1 if failed else 0)
+
+
+def cache_faults(source: Path, device: str, cases: Path | None, say) -> list:
+    """A corrupted cache page and KDA snapshot planted on ``source``'s serving path (``validate
+    --serving``'s restore checks, in this process): each ``detected`` where the first failing check
+    is on the array it corrupts and the clean path passed, else ``failed``."""
+    from k3bundle.bundle.open_weights import open_weights
+    from k3bundle.endpoint.faults import DETECTED, FAILED, FaultResult
+    from k3bundle.validate.devices import DEVICE_POLICY
+    from k3bundle.validate.serving_faults import CASE, case_ids, run_planted
+
+    try:
+        ids = case_ids(source, cases)
+    except ValueError as e:
+        raise EndpointError(str(e)) from None
+    say(f"faults: corrupted cache page / KDA snapshot planted on the serving path ({CASE}, {DEVICE_POLICY} on {device})")
+    out = []
+    for x in run_planted(open_weights(source, DEVICE_POLICY, device), ids):
+        where = f"layer {x.layer}, {x.tap}" if x.tap else "nowhere"
+        out.append(FaultResult(x.key, DETECTED if x.detected else FAILED, error=x.line, revalidated=x.clean_passed,
+                               detail=f"{x.title}: first failing check at {where}; the clean save/load "
+                                      f"{'passed' if x.clean_passed else 'FAILED'} the same checks; the decode "
+                                      f"after it moved by {x.moved:.3g} in the logits"))
+    return out

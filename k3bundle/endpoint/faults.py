@@ -14,7 +14,9 @@ server kept serving. The faults:
 
 The hardware faults of the sign-off (out of memory, collective timeout, bad page, device reset)
 need the target's own injection; they are recorded ``not_run`` with how to run them, never as a
-pass. Outcomes: ``clean_error``, ``survived``, ``failed``, ``not_run``.
+pass. Outcomes: ``clean_error``, ``survived``, ``failed``, ``not_run``; ``detected`` for the corrupted
+cache page / KDA snapshot that ``faults BUNDLE`` plants on the bundle's serving path
+(``validate.serving_faults``) and locates.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from k3bundle.endpoint.errors import EndpointError
 from k3bundle.endpoint.replay import GoldenRequest, Sent, send
 
 CLEAN, SURVIVED, FAILED, NOT_RUN = "clean_error", "survived", "failed", "not_run"
+DETECTED = "detected"  # a fault planted in the bundle's own cache path, located (``faults BUNDLE``)
 UNKNOWN_CONTEXT = 1 << 24
 DISCONNECT_AFTER = 3  # chunks read before the client leaves
 DISCONNECT_TOKENS = 2048

@@ -54,6 +54,11 @@ class GoldenResult:
     weights: str = "resident"  # "resident" or "streamed" (read ahead one layer: SourceWeights(prefetch))
 
 
+def source_encoding(source: Path):
+    """The tokenizer of a bundle (its tokenizer/) or of a checkpoint (beside its config)."""
+    return load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
+
+
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -184,7 +189,7 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
     tol_file = tolerance_path(tolerance)
     load_tolerances(tol_file)  # the file the goldens will carry is checked before any work
     tolerance_bytes = tol_file.read_bytes()  # read once: the bytes written are the bytes whose digest is recorded
-    encoding = load_tiktoken(source / "tokenizer" if (source / "tokenizer").is_dir() else source)
+    encoding = source_encoding(source)
     weights = open_weights(source, dtype, device, resident=None)  # a checkpoint too big to keep streams
     if weights.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(weights.device)
