@@ -126,3 +126,25 @@ def test_a_planted_fault_that_corrupts_nothing_is_recorded_unseen_never_detected
     (x,) = SF.run_planted(open_weights(tiny_trained_ckpt, "bfloat16", "cpu"), ids, names=("nothing",))
     assert (x.detected, x.tap, x.layer, x.clean_passed) == (False, "", None, True)
     assert x.moved == 0.0  # the same bytes back: the continuation is the uninterrupted run's, bit for bit
+
+
+def test_ctrl_c_during_soak_bundle_writes_the_incomplete_report_and_stops_the_server(ckpt):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "k3bundle", "soak", str(ckpt), "--minutes", "10", "--max-tokens", "2",
+                          "--case", "greedy"], env={**os.environ, **ENV, "PYTHONPATH": str(REPO)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not p.stderr.readline().startswith("soak: 1 requests per pass"):  # served, and the clock has started
+        assert p.poll() is None and time.monotonic() < deadline
+    time.sleep(3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, out + err
+    doc = json.loads((ckpt / "reports" / "soak.json").read_text())
+    assert doc["complete"] is False and doc["verdict"] == "INCOMPLETE" and doc["requests"] >= 1
+    assert _refused(doc["endpoint"])
