@@ -34,6 +34,7 @@ def validate(
     ranks: Annotated[str, typer.Option(help="merged: one process reads every rank; distributed: one torch.distributed process per TP/EP rank.")] = "merged",
     nproc: Annotated[int | None, typer.Option(help="Processes for --ranks distributed (default: the layout's TP x EP).")] = None,
     rank_results: Annotated[Path | None, typer.Option(help="With --ranks distributed: judge what `torchrun -m k3bundle.validate.worker` already wrote there (several hosts; docs/validation.md).")] = None,
+    collective_timeout: Annotated[float, typer.Option("--collective-timeout", metavar="SECONDS", help="With --ranks distributed: a rank waiting longer than this on a peer gives up, and the run ends naming the rank that stalled or died (exit 2, no verdict).")] = 300.0,
     tolerances: Annotated[str | None, typer.Option("--tolerances", help="Judge by this tolerance file (bf16, fp8, mxfp4, or a .yaml, e.g. the one `k3bundle calibrate` wrote for this device) instead of the goldens' own; the sign-off records its path and sha256.")] = None,
     cases: Annotated[list[str] | None, typer.Option("--cases", metavar="NAME[,NAME...]", help="Judge only these golden cases (comma-separated or repeated: --cases greedy,tool_call); the others are reported 'not run', and a --dumps folder needs only their files.")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports/validate/RUN_KEY, RUN_KEY naming what was validated: builtin-cpu, backend-torch-cuda, dumps-NAME, ...; docs/validation.md).")] = None,
@@ -52,7 +53,8 @@ def validate(
     try:
         with sigterm_raises(lambda: Terminated("stopped by SIGTERM; no verdict written: rerun validate")):
             dut = open_device(bundle, device=device, ranks=ranks, nproc=nproc, dumps=dumps,
-                              rank_results=rank_results, backend=backend, serving=serving)
+                              rank_results=rank_results, backend=backend, serving=serving,
+                              collective_timeout=collective_timeout)
             with progress_bar("validate", enabled=not json_, stages=True) as update:
                 rep = run_validate(bundle, dut, progress=update, verify_level=verify, verify_seed=verify_seed,
                                    cases=[n for c in cases or () for n in c.split(",") if n], tolerances=tolerances)

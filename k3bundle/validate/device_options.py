@@ -9,7 +9,7 @@ from k3bundle.bundle.errors import BundleError
 from k3bundle.bundle.open_weights import open_weights, weights_kind
 from k3bundle.config import load_config
 from k3bundle.validate.devices import DEVICE_POLICY, Device, Dumps, InProcess
-from k3bundle.validate.distributed import Distributed
+from k3bundle.validate.distributed import COLLECTIVE_TIMEOUT_S, Distributed
 from k3bundle.validate.errors import ValidateError
 
 
@@ -46,7 +46,8 @@ def backend_label(device: str, backend) -> str:
 
 def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", nproc: int | None = None,
                 dumps: str | Path | None = None, rank_results: str | Path | None = None,
-                backend: str | None = None, serving: bool = False) -> Device:
+                backend: str | None = None, serving: bool = False,
+                collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> Device:
     """The device under test: ``dumps`` (an external runtime), one process per rank
     (``ranks="distributed"``), or the built-in executor in this process; with ``backend``, the
     built-in executor runs that backend's kernels (``k3bundle.kernels``) in place of the reference's.
@@ -79,7 +80,7 @@ def open_device(path: str | Path, device: str = "cpu", ranks: str = "merged", np
         if weights_kind(path) != "bundle":
             raise ValidateError(f"{path}: --ranks distributed needs a bundle (a checkpoint has no ranks)")
         dut = Distributed(path, device=device, nproc=nproc, results=rank_results, backend=backend,
-                          name=backend_label(device, kern))
+                          name=backend_label(device, kern), collective_timeout=collective_timeout)
     else:
         if rank_results is not None:
             raise ValidateError("--rank-results needs --ranks distributed")
