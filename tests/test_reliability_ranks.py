@@ -80,3 +80,22 @@ def test_a_launch_whose_ranks_all_go_silent_is_killed_with_its_children(tmp_path
     assert code != 0
     time.sleep(0.5)
     assert not _processes_naming(tmp_path / "silent-run")
+
+
+def test_the_rank_faults_are_recorded_as_clean_errors_naming_the_rank(bundle):
+    """What ``k3bundle faults BUNDLE --rank-faults`` records: both faults a clean error naming
+    rank 1 within the timeout and margin, then a clean run re-validates."""
+    from k3bundle.validate.rank_faults import run_rank_faults
+
+    got = run_rank_faults(bundle, timeout_s=TIMEOUT_S)
+    assert [r.key for r in got] == ["rank_stall", "rank_death"]
+    for r, word in zip(got, ("stalled", "died")):
+        assert r.clean, r.line
+        assert f"rank 1 {word}" in r.line and 0 < r.seconds < TIMEOUT_S + MARGIN_S
+        assert r.revalidated is True
+    assert not _processes_naming(bundle)
+
+
+def test_rank_faults_need_a_bundle():
+    r = run_cli("faults", "--endpoint", "http://127.0.0.1:9/v1", "--rank-faults", "5")
+    assert r.returncode == 2 and "--rank-faults runs validate --ranks distributed on a bundle" in r.stderr

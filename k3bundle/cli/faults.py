@@ -42,6 +42,7 @@ def faults(
     case: Annotated[str, typer.Option(help="The golden case sent as the reference request.")] = "greedy",
     cases: Annotated[Path | None, typer.Option(help="Golden cases folder (default: the shipped golden/cases).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if needed.")] = None,
+    rank_faults: Annotated[float | None, typer.Option("--rank-faults", metavar="SECONDS", help="With BUNDLE: also stall, then kill, rank 1 of `validate --ranks distributed` on it with this collective timeout (rank_stall, rank_death), then rerun it clean (docs/validation.md).")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Provoke each fault, re-validate after it; exit 0 when none failed, 1 when one did, 2 bad input or unreachable."""
@@ -53,6 +54,8 @@ def faults(
     except ModuleNotFoundError as e:
         raise K3Error(f"k3bundle faults needs the {e.name} package: pip install 'k3bundle[serve]'") from None
     check_one("faults", endpoint, source)
+    if rank_faults is not None and source is None:
+        raise EndpointError("--rank-faults runs validate --ranks distributed on a bundle: give BUNDLE, not --endpoint")
     out = report_dir(out, source, Path("reports"))
     requests, _ = golden_requests(load_cases(cases))
     req = next((r for r in requests if r.name == case), None)
@@ -69,6 +72,8 @@ def faults(
         results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run, say=say)
     if source is not None:
         results += cache_faults(source, device, cases, say)
+    if rank_faults is not None:
+        results += rank_fault_results(source, device, rank_faults, say)
     doc = {"kind": FAULTS_KIND, "schema_version": EVIDENCE_SCHEMA_VERSION, "endpoint": ep.base_url,
            "model": ep.model, "faults": [r.to_dict() for r in results]}
     out.mkdir(parents=True, exist_ok=True)
@@ -110,3 +115,15 @@ def cache_faults(source: Path, device: str, cases: Path | None, say) -> list:
                                       f"{'passed' if x.clean_passed else 'FAILED'} the same checks; the decode "
                                       f"after it moved by {x.moved:.3g} in the logits"))
     return out
+
+
+def rank_fault_results(source: Path, device: str, timeout_s: float, say) -> list:
+    """Rank 1 of ``validate --ranks distributed`` stalled, then killed (``validate.rank_faults``):
+    ``clean_error`` with validate's line naming the rank and the seconds it took to exit."""
+    from k3bundle.endpoint.faults import CLEAN, FAILED, FaultResult
+    from k3bundle.validate.rank_faults import run_rank_faults
+
+    return [FaultResult(r.key, CLEAN if r.clean else FAILED, error=r.line, revalidated=r.revalidated,
+                        detail=f"validate exited {r.seconds:.1f} s after it started (collective timeout "
+                               f"{timeout_s:g} s); the clean rerun {'passed' if r.revalidated else 'did NOT pass'}")
+            for r in run_rank_faults(source, device, timeout_s, say=say)]
