@@ -327,3 +327,21 @@ def test_shared_pieces_match_transformers_kimi_k25(tiny):
     x = torch.randn(52, v.vt_hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     ref_m = k25.Kimi_K25VisionModel.temporal_merge(None, x, torch.tensor(grids), 2, 2)
     assert _rel(merge(x, grids, (2, 2)), ref_m) < 1e-6  # pooled in float32 there
+
+
+# ---- E0: the projector's rows take the <|media_pad|> positions ------------------------------
+
+def test_image_rows_replace_the_placeholder_embeddings_in_order(tiny_ckpt):
+    from k3bundle.executor import Executor, TapRecorder
+
+    W = SourceWeights(tiny_ckpt, dtype="float64")
+    pad = W.config.media_placeholder_token_id
+    ids = [5, pad, pad, 7, pad, 9]
+    media = torch.randn(3, W.config.text.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    rec = TapRecorder(names=["embed"])
+    Executor(W, rec).prefill(ids, media=media)
+    plain = W.embed(torch.tensor(ids))
+    assert torch.equal(rec["embed"][[1, 2, 4]], media)  # in the order the images come
+    assert torch.equal(rec["embed"][[0, 3, 5]], plain[[0, 3, 5]])
+    with pytest.raises(ExecutorError, match="3 <\\|media_pad\\|> positions .* give 2 rows"):
+        Executor(W).prefill(ids, media=media[:2])

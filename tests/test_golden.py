@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from k3bundle.config import load_config
 from k3bundle.golden.cases import load_case, load_cases
 from k3bundle.golden.errors import CaseError
 from k3bundle.golden.generate import generate_goldens
@@ -28,7 +29,7 @@ def small_cases(tmp_path_factory):
 def test_shipped_cases_cover_every_kind(tiny_trained_ckpt):
     cases = {c.kind: c for c in load_cases()}
     assert set(cases) == {"greedy", "thinking", "tool_call", "multi_turn", "long_context", "image"}
-    assert not cases["image"].runnable and "vision" in cases["image"].not_run_reason
+    assert cases["image"].runnable and cases["image"].not_run_reason is None
     enc = load_tiktoken(tiny_trained_ckpt)
     long_ids = cases["long_context"].build_ids(enc)
     assert len(long_ids) >= 8192
@@ -59,7 +60,13 @@ def test_same_seed_same_content_hash_and_bytes(tmp_path, tiny_trained_ckpt, smal
     meta = read_meta(inter)
     assert meta["content_hash"] == a.content_hash and meta["seed"] == 0
     status = {c["name"]: c["status"] for c in meta["cases"]}
-    assert status == {"greedy": "ok", "thinking": "ok", "long_context": "ok", "image": "not run"}
+    assert status == {"greedy": "ok", "thinking": "ok", "long_context": "ok", "image": "ok"}
+    # the image case: its tower's input and taps, and the projector's rows at its <|media_pad|> positions
+    ids = read_npz(tmp_path / "a" / "golden_inputs.npz")["image/ids"]
+    pads = np.flatnonzero(ids == load_config(tiny_trained_ckpt / "config.json").media_placeholder_token_id)
+    assert inter["image/media.grid_thws"].tolist() == [[1, 4, 4]] and len(pads) == 4
+    assert np.array_equal(inter["image/embed"][pads], inter["image/vision.projector"])
+    assert inter["image/vision.merger"].shape[:2] == (4, 4)  # 2x2 merged tokens of 2x2 patches each
     # the greedy tokens are the argmax of the recorded step logits
     assert np.array_equal(inter["greedy/greedy_tokens"], inter["greedy/step_logits"].argmax(-1))
     # teacher-forced logits at the last prompt position chose the first greedy token
@@ -113,7 +120,7 @@ def test_layer_major_schedule_writes_the_same_goldens_in_one_pass_per_forward(ti
 
 def test_cli_golden_prints_a_line_per_stage_where_stderr_is_not_a_terminal(tmp_path, tiny_trained_ckpt, small_cases):
     """stderr a pipe (a log, CI): each case run reads as a start and a done line, numbered among
-    the cases, then the writing of the files; the case that cannot run has none."""
+    the cases, then the writing of the files."""
     r = run_cli("golden", str(tiny_trained_ckpt), "--out", str(tmp_path / "g"), "--cases", str(small_cases),
                 "--long-tokens", "256", "--no-noise", "--schedule", "case")
     assert r.returncode == 0, r.stderr
@@ -121,8 +128,7 @@ def test_cli_golden_prints_a_line_per_stage_where_stderr_is_not_a_terminal(tmp_p
     assert set(listed) == {"greedy", "thinking", "long_context", "image"}
     want = []
     for i, name in enumerate(listed, 1):
-        if name != "image":
-            want += [f"golden: case {name} {i}/4 ...", f"golden: case {name} {i}/4 done S s"]
+        want += [f"golden: case {name} {i}/4 ...", f"golden: case {name} {i}/4 done S s"]
     want += ["golden: writing the goldens ...", "golden: writing the goldens done S s"]
     got = [re.sub(r"done \d+\.\d s$", "done S s", l) for l in r.stderr.splitlines() if l.startswith("golden: ")]
     assert got == want, r.stderr

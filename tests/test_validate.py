@@ -82,7 +82,7 @@ def test_clean_bundle_passes(work, name, ranks):
     r, data = _validate(work[name], "--ranks", ranks)
     assert r.returncode == 0, r.stderr[-2000:]
     status = {c["name"]: c["status"] for c in data["cases"]}
-    assert status == {"greedy": "pass", "long_context": "pass", "image": "not run"}
+    assert status == {"greedy": "pass", "long_context": "pass", "image": "pass"}
     reports = work[name] / "reports" / "validate" / ("builtin-cpu" + ("-distributed" if ranks == "distributed" else ""))
     for f in ("signoff.json", "signoff.md", "signoff.html"):
         assert (reports / f).is_file()
@@ -221,6 +221,35 @@ def test_transposed_tp_shard_is_located(work, tmp_path):
     r, data = _validate(b)
     assert r.returncode == 1
     assert _first(data) == (1, "layers.1.mixer_out")
+
+
+def _rope_pairs_swapped(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """W_qkv with each head's q and k rows of complex pair 2i and pair 2i+1 exchanged: the column
+    angle then turns what the row angle should (docs/kimi-k3.md V2), a RoPE order mix-up."""
+    out, q = w.clone(), w.shape[0] // 3
+    dh = q // heads
+    for start in range(0, 2 * q, dh):  # every head of q, then of k; v untouched
+        for i in range(dh // 4):
+            a, b = start + 4 * i, start + 4 * i + 2
+            out[a:a + 2], out[b:b + 2] = w[b:b + 2], w[a:a + 2]
+    return out
+
+
+@pytest.mark.parametrize("fault,block", [("rope_order", 0), ("transposed", 1)])
+def test_vision_fault_is_located_to_its_block(work, tmp_path, fault, block):
+    """A vision tower fault in a bundle fails the image case at that encoder block's output."""
+    b = _copy(work["tiny-tp2"], tmp_path)
+    heads = json.loads((b / "config.json").read_text())["vision_config"]["vt_num_attention_heads"]
+    edit = (lambda t: _rope_pairs_swapped(t, heads)) if fault == "rope_order" else \
+        (lambda t: t.t().contiguous().reshape(t.shape))  # the bytes of Wᵀ under W's shape
+    for rank in (0, 1):  # the tower is replicated: every copy
+        _patch(b, _entry(b, rank, f"vision_tower.encoder.blocks.{block}.wqkv.weight"), edit)
+    r, data = _validate(b)
+    assert r.returncode == 1, r.stderr[-2000:]
+    status = {c["name"]: c["status"] for c in data["cases"]}
+    assert status == {"greedy": "pass", "long_context": "pass", "image": "fail"}
+    assert _first(data) == (None, f"vision.blocks.{block}.block_out")
+    assert f"first failure: vision block {block}, vision.blocks.{block}.block_out (inherited)" in r.stdout
 
 
 def _listed_failures(reports: Path, case: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

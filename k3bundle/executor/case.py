@@ -17,7 +17,12 @@ The arrays are named as in the golden files (docs/golden.md), keys relative to t
 - ``greedy_tokens`` (the run's own argmax per step), ``step_logits`` [steps, V];
 - ``decode_states.layers.{l}.kda_state|mla_latent``: per decode step, the KDA state or the
   newest MLA latent row (state drift);
-- ``decode.{tap}``: per-position taps at the decode positions.
+- ``decode.{tap}``: per-position taps at the decode positions;
+- an image case: ``media.patches`` [N, 3, P, P] and ``media.grid_thws`` [images, 3] (the vision
+  tower's input, so a replay runs it on the same patches) and the vision taps
+  (``taps.VISION_TAPS``: ``vision.patch_embed``, ``vision.blocks.{b}.block_out``,
+  ``vision.merger``, ``vision.projector``); its ``embed`` holds the projector's rows at the
+  ``<|media_pad|>`` positions.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from k3bundle.executor.cache import KDAState, ModelCache
 from k3bundle.executor.errors import ExecutorError
 from k3bundle.executor.model import Executor, drive, drive_lockstep
 from k3bundle.executor.taps import SPEC, TapRecorder, layer_of, tap_kind
+from k3bundle.executor.vision import encode_images
 
 
 @dataclass
@@ -65,7 +71,7 @@ def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int
              tokens: Sequence[int] | None = None, forced_routes: dict[str, torch.Tensor] | None = None,
              snapshot_at: Sequence[int] | None = None, record_routes: bool = False,
              after_step: Callable[[int, ModelCache], None] | None = None, forms: str = "fast",
-             recorders: Sequence = ()) -> CaseRun:
+             recorders: Sequence = (), images: tuple[torch.Tensor, Sequence] | None = None) -> CaseRun:
     """Prefill ``ids`` recording every tap at ``positions``, then decode; a generator of layer
     requests (``model.drive``), so that several cases can share each layer's read.
 
@@ -82,6 +88,9 @@ def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int
         forms: the executor's "fast" (batched) or "readable" forms of the same equations.
         recorders: more recorders of every tap (``taps.TapRecorder``'s interface): a run in
             lockstep that reads this one's taps as they are made (``validate.recompute``).
+        images: (patches [N, 3, P, P], grid_thws [(t, h, w), ...]) of the prompt's images: the
+            vision tower runs first (``vision.encode_images``, its taps recorded) and its rows
+            take the ``<|media_pad|>`` positions (E0).
     """
     positions = [int(p) for p in positions]
     steps = len(tokens) if tokens is not None else steps
@@ -92,9 +101,15 @@ def case_steps(weights, ids: Sequence[int], positions: Sequence[int], steps: int
         routes = TapRecorder(names=["layers.*.router_ids"])
         recorders.append(routes)
     ex = Executor(weights, taps=recorders, forced_routes=forced_routes, forms=forms, all_logits=False)
-    logits_TV, cache = yield from ex.prefill_steps(list(ids), snapshot_at=snapshot_at or ())
-
     out: dict[str, torch.Tensor] = {"positions": torch.tensor(positions, dtype=torch.long)}
+    media = None
+    if images is not None:
+        patches, grids = torch.as_tensor(images[0]), [tuple(int(a) for a in g) for g in images[1]]
+        vision: dict[str, torch.Tensor] = {}
+        media = encode_images(weights, weights.config.vision, patches, grids, vision)
+        out |= {"media.patches": patches.cpu(), "media.grid_thws": torch.tensor(grids, dtype=torch.long), **vision}
+    logits_TV, cache = yield from ex.prefill_steps(list(ids), snapshot_at=snapshot_at or (), media=media)
+
     for name in rec.names():  # prompt positions, and the states after the prefill
         spec, value = SPEC[tap_kind(name)], rec[name]
         if not spec.state:
@@ -148,11 +163,18 @@ def replay_case(weights, golden, ids: Sequence[int],
     return run_case(weights, **replay_args(golden, ids, after_step, forms))
 
 
+def golden_images(golden) -> tuple[torch.Tensor, list] | None:
+    """The vision tower's input a golden case ran on (``media.…``), or None for a text case."""
+    if "media.patches" not in golden:
+        return None
+    return torch.as_tensor(golden["media.patches"]), torch.as_tensor(golden["media.grid_thws"]).tolist()
+
+
 def replay_args(golden, ids: Sequence[int], after_step=None, forms: str = "fast") -> dict:
     """``case_steps`` arguments of ``replay_case`` (for ``run_cases``)."""
     return dict(ids=[int(i) for i in ids], positions=[int(p) for p in golden["positions"]],
                 tokens=[int(t) for t in golden["greedy_tokens"]], forced_routes=golden_routes(golden),
-                after_step=after_step, forms=forms)
+                after_step=after_step, forms=forms, images=golden_images(golden))
 
 
 class LayerWindow:

@@ -109,16 +109,18 @@ class Executor:
 
     # ---- public API ----
     def prefill(self, ids: Sequence[int] | torch.Tensor, cache: ModelCache | None = None,
-                snapshot_at: Sequence[int] = ()) -> tuple[torch.Tensor, ModelCache]:
-        return drive(self.prefill_steps(ids, cache, snapshot_at), self.w)
+                snapshot_at: Sequence[int] = (), media: torch.Tensor | None = None) -> tuple[torch.Tensor, ModelCache]:
+        return drive(self.prefill_steps(ids, cache, snapshot_at, media), self.w)
 
-    def prefill_steps(self, ids, cache: ModelCache | None = None, snapshot_at: Sequence[int] = ()):
+    def prefill_steps(self, ids, cache: ModelCache | None = None, snapshot_at: Sequence[int] = (),
+                      media: torch.Tensor | None = None):
         """``prefill`` as a generator that yields (layer, decode) for each layer's weights and is
-        sent them (``drive`` / ``drive_lockstep`` run it)."""
+        sent them (``drive`` / ``drive_lockstep`` run it). ``media``: the images' rows [M, D]
+        (``vision.encode_images``) for the prompt's M ``<|media_pad|>`` positions (E0)."""
         cache = self.new_cache() if cache is None else cache
         ids_T = self._check_ids(ids)
         rel = self._boundaries(snapshot_at, cache.length, ids_T.shape[0])
-        return (yield from self._forward_steps(ids_T, cache, decode=False, boundaries=rel)), cache
+        return (yield from self._forward_steps(ids_T, cache, decode=False, boundaries=rel, media=media)), cache
 
     def decode(self, token: int, cache: ModelCache) -> torch.Tensor:
         return self._forward(self._check_ids([token]), cache, decode=True, boundaries=())[0]
@@ -294,13 +296,16 @@ class Executor:
         return drive(self._forward_steps(ids_T, cache, decode, boundaries, feed, collect), self.w)
 
     def _forward_steps(self, ids_T: torch.Tensor | None, cache: ModelCache, decode: bool, boundaries: list[int],
-                       feed: Feed | None = None, collect: dict | None = None, rows: Sequence[int] | None = None):
+                       feed: Feed | None = None, collect: dict | None = None, rows: Sequence[int] | None = None,
+                       media: torch.Tensor | None = None):
         """The one forward, as a generator: yields (l, decode) before layer l and is sent its
         ``LayerWeights``; returns the logits. ``drive`` reads each layer for one forward,
         ``drive_lockstep`` once for every forward of many runs at that layer. ``rows``: the
         rows ``collect`` keeps, and the only ones whose logits are computed (``teacher_forced``)."""
         t, start, eps = self.text, cache.length, self.text.rms_norm_eps
         h0_TD = head.embed(ids_T, self.w) if ids_T is not None else None  # (E0)
+        if media is not None:
+            h0_TD = head.splice(h0_TD, ids_T, media, self.w.config.media_placeholder_token_id)  # (E0) image rows
         h0_TD = self._fed(feed, "embed", h0_TD)
         self._tap("embed", h0_TD, start)
         stream = BlockResidual(h0_TD, t.attn_res_block_size, eps)  # (A2) B = [], S = h⁰

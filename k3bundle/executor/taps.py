@@ -59,10 +59,6 @@ TAPS: tuple[TapSpec, ...] = (
     TapSpec("final_hidden", "model", False, "tensor", True, _PD, "h_final, the output AttnRes (before the final norm)"),
     TapSpec("logits", "model", False, "logits", True, "[P, V]", "F1, judged as distributions (KL, top-1)"),
 )
-SPEC: dict[str, TapSpec] = {s.kind: s for s in TAPS}
-LAYER_TAPS = tuple(s for s in TAPS if s.where != "model")
-#: kinds a tolerance file may give limits to (router ids are judged as sets, margins not at all)
-JUDGED_KINDS = tuple(s.kind for s in TAPS if s.judged in ("tensor", "logits"))
 
 #: the vision tower's taps (docs/kimi-k3.md §3.9): whole tensors, one row per patch or merged
 #: token of every image in order (no token-position axis); ``vision_tap`` names them
@@ -76,6 +72,11 @@ VISION_TAPS: tuple[TapSpec, ...] = (
             "projector output (V5): the rows that replace <|media_pad|> embeddings"),
 )
 VISION_SPEC: dict[str, TapSpec] = {s.kind: s for s in VISION_TAPS}
+#: every tap kind, text and vision (their kinds are distinct)
+SPEC: dict[str, TapSpec] = {s.kind: s for s in TAPS} | VISION_SPEC
+LAYER_TAPS = tuple(s for s in TAPS if s.where != "model")
+#: kinds a tolerance file may give limits to (router ids are judged as sets, margins not at all)
+JUDGED_KINDS = tuple(s.kind for s in (*TAPS, *VISION_TAPS) if s.judged in ("tensor", "logits"))
 
 
 def vision_tap(kind: str, block: int | None = None) -> str:
@@ -144,12 +145,26 @@ def tap_table_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+_VISION_BLOCK = re.compile(r"^vision\.blocks\.(\d+)\.")
+
+
+def vision_block_of(name: str) -> int | None:
+    """``vision.blocks.3.block_out`` -> 3; None for any other tap."""
+    m = _VISION_BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
 def forward_key(name: str) -> tuple:
-    """Sort key: embed, then layers in order (taps in forward order), then final taps; decode
-    taps and states (``decode.…``, ``decode_states.…``) after prompt taps."""
+    """Sort key: the vision taps (an image case's tower runs before the embedding), embed, then
+    layers in order (taps in forward order), then final taps; decode taps and states
+    (``decode.…``, ``decode_states.…``) after prompt taps."""
     l, kind = layer_of(name), tap_kind(name)
-    order = next((i for i, s in enumerate(TAPS) if s.kind == kind), len(TAPS))
     decode = name.startswith(("decode.", "decode_states."))
+    if name.startswith("vision.") and kind in VISION_SPEC:
+        b = vision_block_of(name)
+        at = -3 if kind == "patch_embed" else -1 if b is None else -2
+        return (decode, at, 0 if b is None else b, name)
+    order = next((i for i, s in enumerate(TAPS) if s.kind == kind), len(TAPS))
     if l is None:
         return (decode, 0 if kind == "embed" else 10**9, order, name)
     return (decode, l + 1, order, name)

@@ -26,7 +26,7 @@ KINDS = ("greedy", "thinking", "tool_call", "multi_turn", "long_context", "image
 _KEYS = {"schema_version", "name", "kind", "description", "prompt", "messages", "tools", "render",
          "generate", "taps", "long_context", "requires", "image"}
 _RENDER_KEYS = {"thinking", "thinking_effort", "tool_choice", "response_format"}
-SUPPORTED_FEATURES: set[str] = set()  # "vision" joins once the executor runs MoonViT-V2
+SUPPORTED_FEATURES: set[str] = {"vision"}  # the executor runs MoonViT-V2 (executor.vision)
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,10 @@ def case_arrays(weights, case: Case, ids: list[int], forms: str = "fast") -> dic
 
 def golden_run_args(case: Case, ids: list[int], forms: str = "fast") -> dict:
     """The ``case_steps`` arguments of a golden run of ``case``."""
+    image = case.image_input()  # an image case: the tower runs on the case's preprocessed image
+    images = None if image is None else (image.patches, [image.grid_thw])
     return dict(ids=ids, positions=case.taps.positions(len(ids)), steps=case.steps,
-                snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True, forms=forms)
+                snapshot_at=_chunk_boundaries(len(ids), CHUNK), record_routes=True, forms=forms, images=images)
 
 
 def all_case_arrays(weights, bf16, runnable: list[tuple[Case, list[int]]], forms: str) -> list[dict]:
@@ -232,6 +234,9 @@ def generate_goldens(source: str | Path, out: str | Path | None = None, cases_di
                 arrays.update(bf16_added_noise(bf16, weights, arrays, ids))
         inputs[f"{case.name}/ids"] = np.asarray(ids, dtype=np.int64)
         inputs[f"{case.name}/greedy_tokens"] = arrays["greedy_tokens"]
+        for k in ("media.patches", "media.grid_thws"):  # an image case's vision input (docs/dump-format.md)
+            if k in arrays:
+                inputs[f"{case.name}/{k}"] = arrays[k]
         for k, v in arrays.items():
             inter[f"{case.name}/{k}"] = v
         if schedule == "case":

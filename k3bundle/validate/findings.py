@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from k3bundle.executor.taps import forward_key, layer_of, tap_kind
+from k3bundle.executor.taps import forward_key, layer_of, tap_kind, vision_block_of
 from k3bundle.kernels.backend import OP_CONTRACTS, OPS
 
 TEACHER_FORCED = frozenset({"added", "emulation", "exact", "exact_gpu", "router"})
@@ -52,8 +52,13 @@ def first_failure(results: Iterable):
 def place(tap: str, code: Callable[[str], str] = str) -> str:
     """Where a tap is, then the tap: ``layer 5, layers.5.mixer_out``; for a tap of no layer
     ``model output, step_logits``. ``code`` marks up the tap name (Markdown, HTML)."""
-    layer = layer_of(tap)
-    where = f"layer {layer}" if layer is not None else MODEL_PLACES.get(tap_kind(tap), "model output")
+    layer, block = layer_of(tap), vision_block_of(tap)
+    if block is not None:
+        where = f"vision block {block}"
+    elif tap.startswith("vision."):
+        where = "vision tower"
+    else:
+        where = f"layer {layer}" if layer is not None else MODEL_PLACES.get(tap_kind(tap), "model output")
     return f"{where}, {code(tap)}"
 
 
