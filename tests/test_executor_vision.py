@@ -345,3 +345,15 @@ def test_image_rows_replace_the_placeholder_embeddings_in_order(tiny_ckpt):
     assert torch.equal(rec["embed"][[0, 3, 5]], plain[[0, 3, 5]])
     with pytest.raises(ExecutorError, match="3 <\\|media_pad\\|> positions .* give 2 rows"):
         Executor(W).prefill(ids, media=media[:2])
+
+
+def test_vision_taps_sort_before_the_embedding_and_are_placed_by_block():
+    from k3bundle.executor.taps import forward_key
+    from k3bundle.validate.findings import place
+
+    forward = ["vision.patch_embed", "vision.blocks.0.block_out", "vision.blocks.2.block_out",
+               "vision.blocks.10.block_out", "vision.merger", "vision.projector", "embed", "layers.0.mixer_out",
+               "logits"]
+    assert sorted(reversed(forward), key=forward_key) == forward
+    assert place("vision.blocks.10.block_out") == "vision block 10, vision.blocks.10.block_out"
+    assert place("vision.projector") == "vision tower, vision.projector"

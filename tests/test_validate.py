@@ -249,7 +249,8 @@ def test_vision_fault_is_located_to_its_block(work, tmp_path, fault, block):
     status = {c["name"]: c["status"] for c in data["cases"]}
     assert status == {"greedy": "pass", "long_context": "pass", "image": "fail"}
     assert _first(data) == (None, f"vision.blocks.{block}.block_out")
-    assert f"first failure: vision block {block}, vision.blocks.{block}.block_out (inherited)" in r.stdout
+    md = (b / "reports" / "validate" / "builtin-cpu" / "signoff.md").read_text()
+    assert f"| vision block {block}, `vision.blocks.{block}.block_out` (inherited) |" in md
 
 
 def _listed_failures(reports: Path, case: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -296,11 +297,11 @@ def _dumps_from_golden(golden_dir: Path, out: Path, perturb: str | None = None,
                        dtype: torch.dtype | None = None) -> Path:
     inter = read_npz(golden_dir / "golden_intermediates.npz")
     out.mkdir()
-    for case in ("greedy", "long_context"):
+    for case in ("greedy", "long_context", "image"):  # the image case's dump carries its vision taps too
         p = f"{case}/"
         taps = {k[len(p):]: torch.from_numpy(v.copy()) for k, v in inter.items()
-                if k.startswith(p) and (k[len(p):].startswith("layers.") or k[len(p):] in ("logits", "final_hidden", "embed",
-                                                                                       "greedy_tokens", "step_logits"))
+                if k.startswith(p) and (k[len(p):].startswith(("layers.", "vision.")) or k[len(p):] in (
+                    "logits", "final_hidden", "embed", "greedy_tokens", "step_logits"))
                 and not k.endswith("router_margin")}
         if perturb and case == "greedy":
             x = taps[perturb]
@@ -352,7 +353,7 @@ def test_validate_prints_a_line_per_case_where_stderr_is_not_a_terminal(work, tm
     order and numbered among the goldens' cases; a case left out or not runnable has none; with
     --json nothing of the kind is printed."""
     listed = [c["name"] for c in read_meta(read_npz(work["golden"] / "golden_intermediates.npz"))["cases"]]
-    assert set(listed) == {"greedy", "long_context", "image"}  # image is listed, and cannot run
+    assert set(listed) == {"greedy", "long_context", "image"}
     r = run_cli("validate", str(work["tiny-tp2"]), "--cases", "greedy,long_context", "--out", str(tmp_path / "r"),
                 env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -541,7 +542,7 @@ def test_added_limits_widen_with_the_goldens_own_teacher_forced_noise(work, tmp_
     # (these goldens are the checkpoint's, not the bundle's: the long case, of sampled positions, cannot
     # have its reference recomputed, so it has no layer checks here)
     assert [(c["name"], c["first_failure"]["mode"]) for c in data["cases"] if c["status"] == "fail"] == \
-        [("greedy", "added")]
+        [("greedy", "added"), ("image", "added")]
     _retolerance(tol, tight)
     r, data = _validate(b)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
