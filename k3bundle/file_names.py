@@ -27,6 +27,16 @@ GOLDEN_INTERMEDIATES = "golden_intermediates.npz"
 GOLDEN_TOLERANCES = "tolerances.yaml"  # the tolerance set the goldens were made with, copied
 GOLDEN_FILES = (GOLDEN_INPUTS, GOLDEN_INTERMEDIATES, GOLDEN_TOLERANCES)
 
+# --- optional entries of a device dump (``validate --dumps DIR``: DIR/CASE.safetensors): a runtime's
+# own serving paths, each judged against the same dump's uninterrupted run (docs/dump-format.md
+# "Serving paths"). ``serving.PATH.TAP`` is TAP (any tap the dump may carry, ``step_logits``,
+# ``decode.…``) as the runtime computed it along PATH ---
+DUMP_SERVING_PREFIX = "serving"
+DUMP_SERVING_PATHS = ("resume_chunk", "resume_turn", "handoff", "batching")
+DUMP_SERVING_RESUMES = ("resume_chunk", "resume_turn")
+DUMP_SERVING_AT = "at"  # serving.RESUME.at: int64 [1], the prompt tokens restored from the prefix cache
+DUMP_BATCH_LENGTHS = "lengths"  # serving.batching.lengths: int64 [B], every prompt length of the batch
+
 
 def validate_run_marker(run_key: str) -> str:
     """``validate``, before it judges: the run of this run key judging these goldens now; its

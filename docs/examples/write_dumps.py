@@ -57,14 +57,16 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def write_safetensors_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
+def write_safetensors_bf16(path: Path, tensors: dict[str, np.ndarray], ints: dict[str, np.ndarray] | None = None) -> None:
     """The safetensors layout written directly (BF16 has no numpy dtype): an 8-byte little-endian
     header length, the JSON header, then each tensor's raw little-endian bytes. For F16 or F32
-    dumps ``safetensors.numpy.save_file`` does the same."""
+    dumps ``safetensors.numpy.save_file`` does the same. ``ints``: integer tensors, stored as I64."""
     header, blobs, offset = {}, [], 0
-    for name, x in tensors.items():
-        raw = bf16_bits(x).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(x.shape), "data_offsets": [offset, offset + len(raw)]}
+    entries = [(n, "BF16", bf16_bits(x)) for n, x in tensors.items()]
+    entries += [(n, "I64", np.ascontiguousarray(x, dtype="<i8")) for n, x in (ints or {}).items()]
+    for name, dtype, x in entries:
+        raw = x.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
     head = json.dumps(header).encode()

@@ -27,6 +27,7 @@ from k3bundle.executor.case import replay_case
 from k3bundle.executor.taps import tap_kind
 from k3bundle.file_names import GOLDEN_INPUTS
 from k3bundle.golden.store import as_tensor
+from k3bundle.validate.dump_serving import DumpServing
 from k3bundle.validate.dumps import check_dumps, read_dump
 from k3bundle.validate.recompute import EXACT, recomputed_layer_checks  # EXACT: outputs judged to the float32 floor
 
@@ -46,7 +47,9 @@ class CaseOutput:
     routes_replayed: bool  # the candidate replayed the golden expert choices
     skipped: str = ""  # why the layer checks did not run
     exact_section: str = EXACT_SAME  # the tolerance section ``exact.…`` outputs are judged by
-    serving: object | None = None  # the serving paths' runs (``validate.serving.ServingRun``); None: not run
+    # the serving paths' runs (``validate.serving.ServingRun``, or a dump's ``dump_serving.DumpServing``),
+    # judged by their ``judge(case, tol)``; None: not run
+    serving: object | None = None
 
 
 def full_positions(golden: dict, ids: np.ndarray) -> bool:
@@ -212,7 +215,8 @@ class Dumps(Device):
         cand = read_dump(self.directory, name, golden, self.vocab, self.experts)
         if not full_positions(golden, ids):
             return CaseOutput(cand, None, "emulation", golden.get, False,
-                              "sampled positions: emulation layer checks need every position")
+                              "sampled positions: emulation layer checks need every position",
+                              serving=DumpServing(cand, golden["positions"]))
         feed = {**cand, "embed": as_tensor(golden["embed"])}
         routes = golden_routes(golden)
         layers = self._emulate("float32", feed, routes)
@@ -222,7 +226,7 @@ class Dumps(Device):
             in_bf16 = self._emulate("bfloat16", feed, routes)
             stored = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in layers.items()}
             layers = {k: _closer(feed.get(_tap_of(k)), in_bf16[k], stored[k]) for k in in_bf16}
-        return CaseOutput(cand, layers, "emulation", feed.get, False)
+        return CaseOutput(cand, layers, "emulation", feed.get, False, serving=DumpServing(cand, golden["positions"]))
 
     def _emulate(self, dtype: str, feed: dict, routes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if dtype not in self.reference:

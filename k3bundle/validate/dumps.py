@@ -3,7 +3,8 @@
 Format (docs/dump-format.md): ``DIR/CASE.safetensors`` holding tensors named exactly as the
 golden taps of that case (``layers.{l}.mixer_out`` …), per-position taps with one row per
 golden position (``CASE/positions`` in the goldens, in that order), plus optionally
-``greedy_tokens`` (I64 [steps]) and ``step_logits`` ([steps, V]). Required per case:
+``greedy_tokens`` (I64 [steps]) and ``step_logits`` ([steps, V]), and the runtime's own serving
+paths (``serving.PATH.TAP``: ``validate.dump_serving``). Required per case:
 ``logits``, ``final_hidden`` and, for every layer, ``layers.{l}.mixer_out`` and
 ``layers.{l}.ffn_out``; every other golden tap is optional. A tap that is present must have the
 golden's shape and only finite values. Every problem of every case file is collected before
@@ -21,6 +22,7 @@ import torch
 
 from k3bundle.executor.taps import dump_required, layer_of, tap_kind
 from k3bundle.io import SafetensorsFile
+from k3bundle.validate.dump_serving import check_entries, split
 from k3bundle.validate.errors import DumpError
 
 OPTIONAL_EXTRA = ("greedy_tokens", "step_logits")
@@ -73,7 +75,10 @@ def check_dump(directory: str | Path, case: str, golden: dict[str, np.ndarray], 
         for name in dump_required(num_layers(golden)):
             if name not in keys:
                 problems.append(f"required tap {name!r} is missing")
-        for name in sorted(keys):
+        serving_problems, serving = check_entries(f.get, keys, golden, OPTIONAL_EXTRA)
+        problems += serving_problems
+        out.update(serving)
+        for name in sorted(k for k in keys if split(k) is None):
             if name not in golden and name not in OPTIONAL_EXTRA:
                 problems.append(f"tensor {name!r} is not a golden tap of case {case!r}")
                 continue

@@ -33,7 +33,6 @@ from k3bundle.validate.devices import Device, as_tensor
 from k3bundle.validate.errors import ValidateError
 from k3bundle.validate.findings import first_failure, kernels_of, ops_behind
 from k3bundle.validate.judge import drift_limits, inherited_checks, layer_checks, state_drift
-from k3bundle.validate.serving import judge_serving
 from k3bundle.metrics import kld
 
 
@@ -231,7 +230,7 @@ def judge_case(name: str, kind: str, golden: dict, out, tol: Tolerances) -> Case
                                                                  golden, step, factor),
                                     step_logits=cand.get("step_logits"))
     if out.serving is not None:
-        rep.serving = judge_serving(name, out.serving, tol)
+        rep.serving = out.serving.judge(name, tol)
     rep.drift = state_drift(golden, cand)
     rep.drift_limit = tol.state.get("drift_nmse", float("inf"))
     rep.drift_limits, rep.drift_basis = drift_limits(golden, rep.drift, tol)

@@ -167,6 +167,9 @@ class ServingRun:
     pairs: list[PathPair]
     batch: BatchPair | None = None  # None: the batching path was not asked for
 
+    def judge(self, case: str, tol: Tolerances) -> list["PathResult"]:
+        return judge_serving(case, self, tol)
+
 
 def run_paths(weights, golden: dict, ids: list[int], handoff: "Handoff | None", io: CacheIO = CacheIO(),
               ref: PathRun | None = None, others=(), batching: bool = True, case: str = "case") -> ServingRun:
