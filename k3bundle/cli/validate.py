@@ -40,7 +40,7 @@ def validate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory (default BUNDLE/reports/validate/RUN_KEY, RUN_KEY naming what was validated: builtin-cpu, backend-torch-cuda, dumps-NAME, ...; docs/validation.md).")] = None,
     verify: Annotated[str, typer.Option("--verify", help="How the bundle's files are checked against its manifest first: sample (default: every file the run reads, i.e. the weights for the built-in device, plus the metadata and a seeded 2%), full (every byte), manifest (sizes only).")] = "sample",
     verify_seed: Annotated[int, typer.Option("--verify-seed", help="Seed of the --verify sample subset.")] = 0,
-    serving: Annotated[bool, typer.Option("--serving", help="Also run the serving paths on the built-in device: prefix-cache resume at a chunk and a turn boundary, and a prefill/decode handoff through the cache's bytes to another process; each must equal the uninterrupted run (docs/validation.md 'Serving paths').")] = False,
+    serving: Annotated[bool, typer.Option("--serving", help="Also run the serving paths on the built-in device: prefix-cache resume at a chunk and a turn boundary, a prefill/decode handoff through the cache's bytes to another process, each equal to the uninterrupted run, and the prompt batched with shorter requests, each equal to itself run alone (docs/validation.md 'Serving paths').")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Compare per tap, per layer (teacher-forced) and end to end; exit 0 pass, 1 numerical fail, 2 bad input."""

@@ -2,7 +2,7 @@
 "Serving paths").
 
 For every case, the device's uninterrupted run (golden routes replayed, decode fed the golden
-tokens) is the reference, and three paths must equal it:
+tokens) is the reference the first three paths must equal (the batch holds each request to itself alone):
 
 - ``resume_chunk``: the prefix cache taken at the prompt's last chunk boundary, restored from
   its bytes, the rest of the prompt prefilled, then decode;
