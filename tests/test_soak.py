@@ -59,6 +59,14 @@ def test_a_short_soak_of_the_clean_server_passes(tiny_trained_ckpt, tmp_path):
     assert doc["passes"] >= 2 and doc["requests"] >= 2 * 2
     assert 0.2 * 60 <= doc["hours"] * 3600 < 0.2 * 60 + 120
     assert "# Soak: PASS" in (tmp_path / "soak.md").read_text()
+    # the page plots every answered request (few enough here to keep all), in the order they were sent
+    tl = doc["timeline"]
+    assert tl["requests_answered"] == doc["requests"] == len(tl["requests"])
+    starts = [r[0] for r in tl["requests"]]
+    assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] <= doc["hours"] * 3600
+    assert all(r[1] is not None and 0 < r[1] < 60 for r in tl["requests"])
+    html = (tmp_path / "soak.html").read_text()
+    assert "<h1>Soak: PASS</h1>" in html and html.count("<svg") >= 2 and "nothing measured" not in html
 
     # what the server answered is the executor's greedy decode of the prompts rendered here
     cases = {c.name: c for c in load_cases(REPO / "golden" / "cases")}
@@ -253,3 +261,12 @@ def test_ctrl_c_writes_what_was_measured_marked_incomplete(tiny_trained_ckpt, tm
     doc = json.loads((tmp_path / "soak.json").read_text())
     assert doc["complete"] is False and doc["verdict"] == "INCOMPLETE" and doc["requests"] >= 1
     assert "interrupted" in err and "soak: INCOMPLETE" in out
+
+
+def test_thin_keeps_the_ends_and_spaces_the_rest_evenly():
+    from k3bundle.endpoint.soak_report import thin
+
+    pts = list(range(10_001))
+    out = thin(pts, 101)
+    assert out == list(range(0, 10_001, 100))  # hand-worked: step (10,000 / 100) = 100
+    assert thin(pts[:50], 101) == pts[:50]
