@@ -45,6 +45,29 @@ def tiny_trained_ckpt(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def multi_turn_goldens(tmp_path_factory, tiny_trained_ckpt) -> dict:
+    """Goldens of the multi-turn case (turn boundaries, 100+ tokens: a chunk boundary inside) on a
+    copy of the trained tiny checkpoint, made once per session for the serving-path tests:
+    ``src`` (the checkpoint with ``validation/``), ``golden`` (the case's arrays), ``ids``."""
+    import shutil
+
+    from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
+    from k3bundle.golden.generate import generate_goldens
+    from k3bundle.golden.store import read_npz
+
+    root = tmp_path_factory.mktemp("multi-turn")
+    (root / "cases").mkdir()
+    shutil.copy(REPO / "golden" / "cases" / "multi_turn.yaml", root / "cases")
+    src = root / "ckpt"
+    shutil.copytree(tiny_trained_ckpt, src)
+    generate_goldens(src, cases_dir=root / "cases", noise=False)
+    inter = read_npz(src / "validation" / GOLDEN_INTERMEDIATES)
+    golden = {k.split("/", 1)[1]: v for k, v in inter.items() if k.startswith("multi_turn/")}
+    ids = [int(i) for i in read_npz(src / "validation" / GOLDEN_INPUTS)["multi_turn/ids"]]
+    return {"src": src, "golden": golden, "ids": ids}
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m k3bundle ARGS`` in a subprocess, capturing text output."""
     e = dict(os.environ)

@@ -8,7 +8,6 @@ by path, layer and tap; bad entries are one line each."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +23,6 @@ from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.case import golden_routes
 from k3bundle.executor.serving import chunk_grid, uninterrupted
 from k3bundle.executor.taps import dump_required, tap_kind
-from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
-from k3bundle.golden.generate import generate_goldens
-from k3bundle.golden.store import read_npz
 from k3bundle.validate.device_options import open_device
 from k3bundle.validate.devices import DEVICE_POLICY
 from k3bundle.validate.dump_serving import DumpServing
@@ -41,17 +37,8 @@ KINDS = ("mixer_out", "ffn_out", "logits")
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory, tiny_trained_ckpt):
-    root = tmp_path_factory.mktemp("dump-serving")
-    (root / "cases").mkdir()
-    shutil.copy(REPO / "golden" / "cases" / "multi_turn.yaml", root / "cases")
-    src = root / "ckpt"
-    shutil.copytree(tiny_trained_ckpt, src)
-    generate_goldens(src, cases_dir=root / "cases", noise=False)
-    inter = read_npz(src / "validation" / GOLDEN_INTERMEDIATES)
-    golden = {k.split("/", 1)[1]: v for k, v in inter.items() if k.startswith("multi_turn/")}
-    ids = [int(i) for i in read_npz(src / "validation" / GOLDEN_INPUTS)["multi_turn/ids"]]
-    return {"src": src, "golden": golden, "ids": ids, "weights": open_weights(src, DEVICE_POLICY, "cpu")}
+def case(multi_turn_goldens):
+    return {**multi_turn_goldens, "weights": open_weights(multi_turn_goldens["src"], DEVICE_POLICY, "cpu")}
 
 
 def _main(golden) -> dict[str, torch.Tensor]:

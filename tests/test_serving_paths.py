@@ -6,7 +6,6 @@ located to the array and layer it broke."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,9 @@ from k3bundle.executor.cache import KDAState
 from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.case import golden_routes
 from k3bundle.executor.serving import CacheIO, uninterrupted
-from k3bundle.file_names import GOLDEN_INPUTS, GOLDEN_INTERMEDIATES
-from k3bundle.golden.generate import generate_goldens
-from k3bundle.golden.store import read_npz
 from k3bundle.validate.devices import DEVICE_POLICY
 from k3bundle.validate.serving import Handoff, judge_serving, run_paths
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
 
 
 # ---- planted faults: module-level, so the decoding process loads them by name ----
@@ -53,18 +49,9 @@ def load_one_token_off(data):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_trained_ckpt):
-    """Goldens of the multi-turn case (turn boundaries, 100+ tokens: a chunk boundary inside) on the
-    trained tiny checkpoint."""
-    root = tmp_path_factory.mktemp("serving")
-    (root / "cases").mkdir()
-    shutil.copy(REPO / "golden" / "cases" / "multi_turn.yaml", root / "cases")
-    src = root / "ckpt"
-    shutil.copytree(tiny_trained_ckpt, src)
-    generate_goldens(src, cases_dir=root / "cases", noise=False)
-    inter = read_npz(src / "validation" / GOLDEN_INTERMEDIATES)
-    golden = {k.split("/", 1)[1]: v for k, v in inter.items() if k.startswith("multi_turn/")}
-    ids = [int(i) for i in read_npz(src / "validation" / GOLDEN_INPUTS)["multi_turn/ids"]]
+def served(multi_turn_goldens):
+    """The multi-turn case's goldens (conftest) and the uninterrupted run the fault tests share."""
+    src, golden, ids = multi_turn_goldens["src"], multi_turn_goldens["golden"], multi_turn_goldens["ids"]
     weights = open_weights(src, DEVICE_POLICY, "cpu")
     tokens = [int(t) for t in golden["greedy_tokens"]]
     ref = uninterrupted(weights, ids, tokens, golden_routes(golden))  # shared by the fault tests

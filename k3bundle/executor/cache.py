@@ -140,3 +140,14 @@ def cache_bytes(text: TextConfig, act_bytes: int = 2, state_bytes: int = 4) -> C
         mla_latent_per_token_per_layer=(text.kv_lora_rank + text.qk_rope_head_dim) * act_bytes,
         mla_layers=len(text.mla_layers),
     )
+
+
+def cache_arrays(c: ModelCache) -> list[tuple[str, torch.Tensor]]:
+    """Every layer's cache arrays by name: a KDA layer's recurrent and conv states, an MLA layer's latent."""
+    out = []
+    for l, s in enumerate(c.layers):
+        if isinstance(s, KDAState):
+            out += [(f"layers.{l}.kda_state", s.recurrent_HKV), (f"layers.{l}.kda_conv", s.conv_3WP)]
+        else:
+            out.append((f"layers.{l}.mla_latent", s.latent_SC))
+    return out

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3bundle.executor.cache import KDAState, ModelCache
+from k3bundle.executor.cache import ModelCache, cache_arrays
 from k3bundle.executor.cache_handoff import from_bytes, to_bytes
 from k3bundle.executor.case import golden_routes
 from k3bundle.executor.serving import CacheIO, PathRun, chunk_grid, decode_from, resume, uninterrupted
@@ -105,16 +105,6 @@ def section_rows(rep) -> list[tuple[str, ...]]:
     return rows
 
 
-def _states(c: ModelCache) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for l, s in enumerate(c.layers):
-        if isinstance(s, KDAState):
-            out += [(f"layers.{l}.kda_state", s.recurrent_HKV), (f"layers.{l}.kda_conv", s.conv_3WP)]
-        else:
-            out.append((f"layers.{l}.mla_latent", s.latent_SC))
-    return out
-
-
 def _exact(case: str, tap: str, ref: torch.Tensor, x: torch.Tensor) -> TapResult:
     if ref.shape != x.shape:
         return TapResult(case, tap, "exact", {"max_abs": float("inf"), "rows": float(x.shape[0]),
@@ -127,7 +117,7 @@ def restore_checks(case: str, saved: ModelCache, restored: ModelCache) -> list[T
     """The restored cache against the saved one, every layer's every array, exactly."""
     out = [TapResult(case, "restore.length", "exact", {"tokens": float(restored.length)},
                      {}, restored.length == saved.length, {"tokens": float(saved.length)})]
-    out += [_exact(case, "restore." + n, a, b) for (n, a), (_, b) in zip(_states(saved), _states(restored))]
+    out += [_exact(case, "restore." + n, a, b) for (n, a), (_, b) in zip(cache_arrays(saved), cache_arrays(restored))]
     return out
 
 
@@ -140,7 +130,7 @@ def judge_path(case: str, pair: PathPair, ref: PathRun, tol: Tolerances) -> Path
     if pair.at is not None:
         res.append(compare_logits(case, "next_turn.logits", ref.logits[pair.at:].double(), cand.logits.double(), tol))
     res.append(compare_logits(case, "step_logits", ref.step_logits.double(), cand.step_logits.double(), tol))
-    for (n, a), (_, b) in zip(_states(ref.final), _states(cand.final)):
+    for (n, a), (_, b) in zip(cache_arrays(ref.final), cache_arrays(cand.final)):
         if a.shape != b.shape:
             res.append(_exact(case, "final." + n, a, b))
         else:

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from k3bundle.executor.batching import ROW_TAPS, Leak, Request, RequestRun, alone, batched
-from k3bundle.executor.cache import KDAState, ModelCache
+from k3bundle.executor.cache import cache_arrays
 from k3bundle.executor.case import golden_routes
 from k3bundle.golden.tolerances import Tolerances
 from k3bundle.validate.compare import TapResult, compare_logits, compare_tensor
@@ -75,16 +73,6 @@ def run_batch(weights, golden: dict, ids: list[int], others=(), leak: Leak | Non
     return BatchPair(labels, reqs, refs, batched(weights, reqs, leak=leak))
 
 
-def _states(c: ModelCache) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for l, s in enumerate(c.layers):
-        if isinstance(s, KDAState):
-            out += [(f"layers.{l}.kda_state", s.recurrent_HKV), (f"layers.{l}.kda_conv", s.conv_3WP)]
-        else:
-            out.append((f"layers.{l}.mla_latent", s.latent_SC))
-    return out
-
-
 def _tensor(case, name, a, b, tol) -> TapResult:
     if a.shape != b.shape:
         return TapResult(case, name, "exact", {"rows": float(b.shape[0])}, {}, False, {"rows": float(a.shape[0])})
@@ -106,9 +94,9 @@ def batch_checks(case: str, pair: BatchPair, tol: Tolerances) -> list[TapResult]
                         out.append(_tensor(case, f"request.{r}.{n}", a.taps[n], b.taps[n], tol))
 
     def states(stage: str, cache):
-        for i in range(len(_states(pair.refs[0].final))):
+        for i in range(len(cache_arrays(pair.refs[0].final))):
             for r, (a, b) in reqs:
-                (n, x), (_, y) = _states(cache(a))[i], _states(cache(b))[i]
+                (n, x), (_, y) = cache_arrays(cache(a))[i], cache_arrays(cache(b))[i]
                 out.append(_tensor(case, f"request.{r}.{stage}.{n}", x, y, tol))
 
     rows("")
