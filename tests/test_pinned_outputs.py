@@ -48,10 +48,11 @@ BUNDLE_DIGESTS = {
     "mi355x-tp8": "9cd6ca09f517afa68303f72a9e78ef1eef87b701d0f963430c0579026aeeb53f",
     "new-accelerator.example": "023366ac7c293b9735722900984e4cf911c6a5e91cdcf37c337c96746f732847",
 }
-GOLDEN_DECISIONS = "06fada96a23c94c4a76b4611ba2a5d9a06031f0d44739b1e1cf14f95c281cd32"
+GOLDEN_DECISIONS = "4fdc3c4584c45e38c55ba10cdc37a41f8c372bd9c962140356db7386e8640dda"  # with the image case (runs since the vision tower)
 # per case: [signed sum, norm, values] of the float64 run (long-context case at 256 tokens)
 GOLDEN_FLOAT64_FINGERPRINT = {
     "greedy": [-1425.143451865566, 688.6441428305798, 914464],
+    "image": [-232.40070244879877, 861.9050831172136, 1043392],
     "long_context": [-758.4299441437253, 743.5957949026564, 906176],
     "multi_turn": [158.59773047525613, 2121.906969550214, 5658624],
     "thinking": [-1141.1320734481158, 1638.3687567276131, 3522528],
