@@ -10,15 +10,10 @@ cannot provoke, recorded not run.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-
-import pytest
 
 from tests._bundles import single_threaded_torch  # noqa: F401  (autouse: one torch thread)
 from tests._serving import serving
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
 
 CONTEXT = 512
 ENV = {"K3BUNDLE_THREADS": "1"}
@@ -75,22 +70,3 @@ def test_a_server_that_stalls_fails_the_fault_that_meets_the_stall(tiny_trained_
     assert got["over_context"]["outcome"] == "clean_error"
     assert got["client_disconnect"]["outcome"] == "failed"
     assert "client_disconnect: outcome 'failed'" in fault_paths_stage(tmp_path).missing
-
-
-@pytest.mark.parametrize("args", [
-    ["soak", "--endpoint", "http://127.0.0.1:9/v1", "--minutes", "1", "--out", "{out}"],
-    ["faults", "--endpoint", "http://127.0.0.1:9/v1", "--out", "{out}"],
-])
-def test_without_the_serve_extra_soak_and_faults_say_what_to_install(tmp_path, args):
-    """openai is in the serve extra: without it --help still lists both and each says what to install."""
-    block = ("import sys\nfor m in ('openai', 'fastapi', 'uvicorn'): sys.modules[m] = None\n"
-             "sys.argv = ['k3bundle'] + sys.argv[1:]\nfrom k3bundle.cli.app import main\nmain()\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("K3BUNDLE_DEBUG", None)
-    argv = [a.format(out=tmp_path / "out") for a in args]
-    helped = subprocess.run([sys.executable, "-c", block, "--help"], env=env, capture_output=True, text=True)
-    assert helped.returncode == 0 and "soak" in helped.stdout and "faults" in helped.stdout
-    r = subprocess.run([sys.executable, "-c", block, *argv], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2
-    assert r.stderr == f"error: k3bundle {args[0]} needs the openai package: pip install 'k3bundle[serve]'\n"
-    assert not (tmp_path / "out").exists()

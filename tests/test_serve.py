@@ -217,16 +217,20 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(tiny_trained_ckpt):
 @pytest.mark.parametrize("args, package", [
     (["serve", "{ckpt}", "--port", "9"], "fastapi"),
     (["parsers", "{ckpt}", "--endpoint", "http://127.0.0.1:9/v1", "--out", "{out}"], "openai"),
+    (["soak", "--endpoint", "http://127.0.0.1:9/v1", "--minutes", "1", "--out", "{out}"], "openai"),
+    (["faults", "--endpoint", "http://127.0.0.1:9/v1", "--out", "{out}"], "openai"),
+    (["perf", "--endpoint", "http://127.0.0.1:9/v1", "--workload", "1k-1k", "--out", "{out}"], "openai"),
 ])
 def test_without_the_serve_extra_the_commands_say_what_to_install(tiny_trained_ckpt, tmp_path, args, package):
-    """fastapi, uvicorn and openai are the serve extra: the rest of the command line runs without them."""
+    """fastapi, uvicorn and openai are the serve extra: the rest of the command line runs without them
+    (--help lists every command), and each command of the extra says what to install, writing nothing."""
     block = ("import sys\nfor m in ('openai', 'fastapi', 'uvicorn'): sys.modules[m] = None\n"
              "sys.argv = ['k3bundle'] + sys.argv[1:]\nfrom k3bundle.cli.app import main\nmain()\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("K3BUNDLE_DEBUG", None)
     argv = [a.format(ckpt=tiny_trained_ckpt, out=tmp_path / "out") for a in args]
     helped = subprocess.run([sys.executable, "-c", block, "--help"], env=env, capture_output=True, text=True)
-    assert helped.returncode == 0 and "serve" in helped.stdout and "parsers" in helped.stdout
+    assert helped.returncode == 0 and all(c in helped.stdout for c in ("serve", "parsers", "soak", "faults", "perf"))
     r = subprocess.run([sys.executable, "-c", block, *argv], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert r.stderr == f"error: k3bundle {args[0]} needs the {package} package: pip install 'k3bundle[serve]'\n"

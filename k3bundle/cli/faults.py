@@ -12,9 +12,9 @@ import typer
 from k3bundle.checklist.faults import FAULT_PATHS
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, FAULTS_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
-from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
+from k3bundle.cli._target import (ApiKeyOpt, BundleArg, CasesOpt, DeviceOpt, EndpointOpt, ModelOpt, WatchdogOpt,
+                                  check_one, connect, endpoint_url, named_requests, report_dir, require_client)
 from k3bundle.endpoint import EndpointError
-from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
 from k3bundle.io.files import write_atomic
 
@@ -36,39 +36,31 @@ def faults(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report folder: faults.json and faults.md (default: "
                                                                  "BUNDLE/reports, where the checklist reads it; "
                                                                  "with --endpoint, ./reports).")] = None,
-    model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
+    model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens of the reference request.")] = 16,
-    timeout: Annotated[float, typer.Option(help="Watchdog: seconds a request may take before it is a hang.")] = 120.0,
+    timeout: WatchdogOpt = 120.0,
     case: Annotated[str, typer.Option(help="The golden case sent as the reference request.")] = "greedy",
-    cases: Annotated[Path | None, typer.Option(help="Golden cases folder (default: the shipped golden/cases).")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if needed.")] = None,
+    cases: CasesOpt = None,
+    api_key: ApiKeyOpt = None,
     rank_faults: Annotated[float | None, typer.Option("--rank-faults", metavar="SECONDS", help="With BUNDLE: also stall, then kill, rank 1 of `validate --ranks distributed` on it with this collective timeout (rank_stall, rank_death), then rerun it clean (docs/validation.md).")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Provoke each fault, re-validate after it; exit 0 when none failed, 1 when one did, 2 bad input or unreachable."""
     o = Output(json_)
-    try:  # the openai package comes with the serve extra: without it every other command still runs
-        from k3bundle.endpoint import Endpoint
-        from k3bundle.endpoint import faults as F
-        from k3bundle.endpoint.replay import golden_requests
-    except ModuleNotFoundError as e:
-        raise K3Error(f"k3bundle faults needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    require_client("faults")
+    from k3bundle.endpoint import faults as F
+    from k3bundle.endpoint.replay import golden_requests
+
     check_one("faults", endpoint, source)
     if rank_faults is not None and source is None:
         raise EndpointError("--rank-faults runs validate --ranks distributed on a bundle: give BUNDLE, not --endpoint")
     out = report_dir(out, source, Path("reports"))
-    requests, _ = golden_requests(load_cases(cases))
-    req = next((r for r in requests if r.name == case), None)
-    if req is None:
-        raise EndpointError(f"--case {case!r} is not a case faults can send (known: {', '.join(r.name for r in requests)})")
+    req = named_requests(golden_requests(load_cases(cases))[0], [case], "faults")[0]
     not_run = [(f.key, f"on the target: {f.inject}; then record the outcome (clear error: {f.clear_error})"
                 + LOCAL.get(f.key, "")) for f in FAULT_PATHS]
     say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
     with endpoint_url(endpoint, source, device, say) as url:
-        ep = Endpoint(url, model=model, api_key=api_key)
-        served = ep.models()
-        if model is not None and model not in served:
-            raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+        ep = connect(url, model, api_key)
         results = F.run(ep, req, max_tokens=max_tokens, timeout_s=timeout, not_run=not_run, say=say)
     if source is not None:
         results += cache_faults(source, device, cases, say)

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import JsonOpt, Output, exit_with
+from k3bundle.cli._target import ApiKeyOpt, CasesOpt, ModelOpt, connect, require_client
 from k3bundle.endpoint.errors import EndpointError
-from k3bundle.errors import K3Error
 from k3bundle.file_names import MANIFEST, REPORTS_DIR
 from k3bundle.golden.cases import load_cases
 
@@ -26,22 +26,19 @@ def parsers(
                                                    "checkpoint or a tokenizer directory: k3bundle renders and "
                                                    "parses with it.")],
     endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1.")],
-    model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
+    model: ModelOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report folder (default: BUNDLE/reports).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 512,
     case: Annotated[list[str] | None, typer.Option("--case", help="Only this probe or golden case (repeatable).")] = None,
-    cases: Annotated[Path | None, typer.Option(help="Golden cases folder (default: the shipped golden/cases).")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if the endpoint "
-                                                                               "needs one.")] = None,
+    cases: CasesOpt = None,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Send every golden conversation with thinking and tools; exit 0 pass, 1 fail, 2 bad input or endpoint unreachable."""
     o = Output(json_)
-    try:  # the openai package comes with the serve extra: without it every other command still runs
-        from k3bundle.endpoint import Endpoint
-        from k3bundle.endpoint.parsers_report import open_tokenizer, run_parsers, write_report
-    except ModuleNotFoundError as e:
-        raise K3Error(f"k3bundle parsers needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    require_client("parsers")
+    from k3bundle.endpoint.parsers_report import open_tokenizer, run_parsers, write_report
+
     if max_tokens < 1:
         raise EndpointError(f"--max-tokens must be at least 1, got {max_tokens}")
     is_bundle = (tokenizer / MANIFEST).is_file()
@@ -50,10 +47,7 @@ def parsers(
     out = out if out is not None else tokenizer / REPORTS_DIR
     encoding = open_tokenizer(tokenizer)
     golden = load_cases(cases)
-    ep = Endpoint(endpoint, model=model, api_key=api_key)
-    served = ep.models()  # unreachable: one line, exit 2, before anything is sent
-    if model is not None and model not in served:
-        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+    ep = connect(endpoint, model, api_key)
     report = run_parsers(ep, encoding, golden, max_tokens, case, say=lambda s: sys.stderr.write(s + "\n"))
     j, m = write_report(report, out)
     lines = [f"{r.probe.name}: {'pass' if r.passed else 'FAIL'}" for r in report.results]

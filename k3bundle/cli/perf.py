@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from k3bundle.cli._common import ConfigOpt, JsonOpt, Output
-from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
+from k3bundle.cli._target import (ApiKeyOpt, BundleArg, DeviceOpt, EndpointOpt, ModelOpt, check_one, connect,
+                                  endpoint_url, report_dir, require_client)
 from k3bundle.endpoint.errors import EndpointError
 from k3bundle.endpoint.workloads import load_workload
-from k3bundle.errors import K3Error
 
 EXAMPLES = [
     "k3bundle perf --endpoint http://127.0.0.1:8000/v1 --workload 1k-1k --scale 0.01 --concurrency 1,2 --out /tmp/perf",
@@ -49,21 +49,18 @@ def perf(
                                                      "the file's scale).")] = None,
     draft_tokens: Annotated[int | None, typer.Option(help="Tokens the engine drafts per step, where it does not "
                                                           "report speculative decoding at /metrics.")] = None,
-    model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if the endpoint "
-                                                                               "needs one.")] = None,
+    model: ModelOpt = None,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Run the workload at each concurrency: TTFT and TPOT P50/P99, throughput, each over its roofline bound;
     writes performance.json (the checklist's evidence) and performance.html. Exit 0, or 2 on bad input or an
     unreachable endpoint."""
     o = Output(json_)
-    try:  # the openai package comes with the serve extra: without it every other command still runs
-        from k3bundle.endpoint import Endpoint
-        from k3bundle.endpoint.perf import sweep
-        from k3bundle.endpoint.perf_report import to_json, write_report
-    except ModuleNotFoundError as e:
-        raise K3Error(f"k3bundle perf needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    require_client("perf")
+    from k3bundle.endpoint.perf import sweep
+    from k3bundle.endpoint.perf_report import to_json, write_report
+
     check_one("perf", endpoint, source)
     levels = _levels(concurrency)
     bundle = bundle if bundle is not None else source
@@ -78,10 +75,7 @@ def perf(
         bounds = performance_bounds(target, config=config, bundle=bundle)
     say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
     with endpoint_url(endpoint, source, device, say) as url:
-        ep = Endpoint(url, model=model, api_key=api_key)
-        served = ep.models()  # unreachable: one line, exit 2, before anything is sent
-        if model is not None and model not in served:
-            raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+        ep = connect(url, model, api_key)
         result = sweep(ep, w, levels, bounds, draft_tokens, say=say)
     doc = to_json(ep.base_url, ep.model, w, target, result)
     j, h = write_report(doc, result, out)

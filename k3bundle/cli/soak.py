@@ -12,9 +12,9 @@ import typer
 from k3bundle.checklist.faults import SOAK_HOST_GROWTH_LIMIT_BYTES
 from k3bundle.checklist.stages import EVIDENCE_SCHEMA_VERSION, SOAK_KIND
 from k3bundle.cli._common import JsonOpt, Output, exit_with
-from k3bundle.cli._target import BundleArg, DeviceOpt, EndpointOpt, check_one, endpoint_url, report_dir
+from k3bundle.cli._target import (ApiKeyOpt, BundleArg, CasesOpt, DeviceOpt, EndpointOpt, ModelOpt, WatchdogOpt,
+                                  check_one, connect, endpoint_url, named_requests, report_dir, require_client)
 from k3bundle.endpoint import EndpointError, metrics_text
-from k3bundle.errors import K3Error
 from k3bundle.golden.cases import load_cases
 
 EXAMPLES = [
@@ -50,25 +50,24 @@ def soak(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Report folder: soak.json and soak.md (default: "
                                                                  "BUNDLE/reports, where the checklist reads it; "
                                                                  "with --endpoint, ./reports).")] = None,
-    model: Annotated[str | None, typer.Option(help="The model id to ask for (default: the endpoint's first).")] = None,
+    model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 64,
-    timeout: Annotated[float, typer.Option(help="Watchdog: seconds a request may take before it is a hang.")] = 120.0,
+    timeout: WatchdogOpt = 120.0,
     server_pid: Annotated[int | None, typer.Option(help="The local server's process id: its host memory is "
                                                         "sampled from /proc.")] = None,
     metrics: Annotated[str | None, typer.Option(help="Prometheus metrics URL (default: the endpoint's /metrics, "
                                                      "where it has one).")] = None,
     case: Annotated[list[str] | None, typer.Option("--case", help="Only this golden case (repeatable).")] = None,
-    cases: Annotated[Path | None, typer.Option(help="Golden cases folder (default: the shipped golden/cases).")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token, if needed.")] = None,
+    cases: CasesOpt = None,
+    api_key: ApiKeyOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Replay the golden cases greedily; exit 0 pass, 1 a named failure, 130 interrupted, 2 bad input or unreachable."""
     o = Output(json_)
-    try:  # the openai package comes with the serve extra: without it every other command still runs
-        from k3bundle.endpoint import Endpoint, soak_report  # noqa: F401  (Endpoint: the openai package)
-        from k3bundle.endpoint.replay import golden_requests
-    except ModuleNotFoundError as e:
-        raise K3Error(f"k3bundle soak needs the {e.name} package: pip install 'k3bundle[serve]'") from None
+    require_client("soak")
+    from k3bundle.endpoint import soak_report
+    from k3bundle.endpoint.replay import golden_requests
+
     check_one("soak", endpoint, source)
     out = report_dir(out, source, Path("reports"))
     if (minutes is None) == (hours is None):
@@ -77,11 +76,7 @@ def soak(
     if duration <= 0 or max_tokens < 1 or timeout <= 0:
         raise EndpointError("--minutes/--hours, --max-tokens and --timeout must be positive")
     requests, skipped = golden_requests(load_cases(cases))
-    if case:
-        bad = next((c for c in case if c not in {r.name for r in requests}), None)
-        if bad is not None:
-            raise EndpointError(f"--case {bad!r} is not a case soak sends (known: {', '.join(r.name for r in requests)})")
-        requests = [r for r in requests if r.name in case]
+    requests = named_requests(requests, case, "soak")
     say = lambda s: sys.stderr.write(s + "\n")  # noqa: E731
     with endpoint_url(endpoint, source, device, say) as url:
         run, ep = _soak(url, requests, duration, model, api_key, max_tokens, timeout,
@@ -99,13 +94,9 @@ def soak(
 
 def _soak(url, requests, duration, model, api_key, max_tokens, timeout, server_pid, metrics, say):
     """The run against ``url``: (the soak's run, the endpoint)."""
-    from k3bundle.endpoint import Endpoint
     from k3bundle.endpoint import soak as S
 
-    ep = Endpoint(url, model=model, api_key=api_key)
-    served = ep.models()  # unreachable: one line, exit 2, before the clock starts
-    if model is not None and model not in served:
-        raise EndpointError(f"{ep.base_url}: model {model!r} is not served there (models: {', '.join(served)})")
+    ep = connect(url, model, api_key)  # before the clock starts
     memory = host_memory_of(server_pid) if server_pid is not None else None
     murl = metrics or ep.base_url.removesuffix("/v1") + "/metrics"
     scrape = (lambda: metrics_text.scrape(murl)) if metrics_text.scrape(murl) is not None else None
