@@ -10,6 +10,8 @@ writes its tolerance file); this script keeps the commands of the committed runs
     python bench/calibrate.py table /tmp/cal/records.jsonl --seeds 0-9
     # false-alarm and detection rates on held-out seeds, against the shipped tolerance files
     python bench/calibrate.py rates /tmp/cal/records.jsonl --seeds 100-149
+    # the clean runs per preset and layout as a Markdown table (docs/validation.md's counts)
+    python bench/calibrate.py count tolerances/calibration/clean-*.jsonl.gz
     # each limit of a tolerance file between the clean worst and the faulted best; --write
     # records the clean worst in the file's calibration section (the sign-off report shows it)
     python bench/calibrate.py limits /tmp/cal/records.jsonl --seeds 0-9 --tolerance bf16 [--write --run TEXT]
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3bundle.calibrate.faults import FAULTS  # noqa: E402
 from k3bundle.calibrate.jobs import make_jobs, run_jobs  # noqa: E402
 from k3bundle.calibrate.records import load_records, parse_seeds  # noqa: E402
-from k3bundle.calibrate.tables import limit_rows, rates, separation  # noqa: E402
+from k3bundle.calibrate.tables import clean_counts, limit_rows, rates, separation  # noqa: E402
 from k3bundle.calibrate.tolerance_file import calibration_yaml  # noqa: E402
 from k3bundle.calibrate.tolerance_for import TOLERANCE_FOR  # noqa: E402
 from k3bundle.validate.margin import show  # noqa: E402
@@ -76,6 +78,30 @@ def cmd_rates(args) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 
+def _seed_ranges(seeds: list[int]) -> str:
+    runs, start = [], None
+    for i, s in enumerate(seeds):
+        start = s if start is None else start
+        if i + 1 == len(seeds) or seeds[i + 1] != s + 1:
+            runs.append(f"{start}" if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(runs)
+
+
+def cmd_count(args) -> None:
+    rows = clean_counts(_records(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print("| preset | layout | device | seeds | clean bundles failing | clean cases failing | jobs in error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['layout']} | {r['device']} | {_seed_ranges(r['seeds'])} | "
+              f"{r['failed_bundles']} / {r['bundles']} | {r['failed_cases']} / {r['cases']} | {r['errors']} |")
+    total = lambda k: sum(r[k] for r in rows)  # noqa: E731
+    print(f"| **all** | | | | **{total('failed_bundles')} / {total('bundles')}** | "
+          f"{total('failed_cases')} / {total('cases')} | {total('errors')} |")
+
+
 def cmd_limits(args) -> None:
     from k3bundle.golden.tolerances import load_tolerances, tolerance_path
     recs = _records(args)
@@ -117,7 +143,7 @@ def main() -> None:
     r.add_argument("--faults-only", action="store_true")
     r.add_argument("--fault", action="append", choices=list(FAULTS), help="only these faults (default: all)")
     r.set_defaults(fn=cmd_run)
-    for name, fn in (("table", cmd_table), ("rates", cmd_rates)):
+    for name, fn in (("table", cmd_table), ("rates", cmd_rates), ("count", cmd_count)):
         t = sub.add_parser(name)
         t.add_argument("records", type=Path, nargs="+")
         t.add_argument("--seeds")

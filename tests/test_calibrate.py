@@ -68,6 +68,26 @@ def test_summaries_read_the_records(records):
     assert all(v["located"] == v["runs"] == 1 for v in rates["faults"].values())
 
 
+def test_clean_counts_group_by_preset_and_layout():
+    """Hand-built records: a failing case fails its bundle once; faulted runs are not clean runs;
+    a job that errored and was rerun counts once, as judged; one that only errored is counted apart."""
+    def rec(preset, seed, layout, case, status, fault=None):
+        return {"preset": preset, "seed": seed, "layout": layout, "device": "cpu", "case": case,
+                "status": status, "fault": fault}
+    rows = tables.clean_counts([
+        rec("tiny", 1, "b300-tp8", "greedy", "pass"), rec("tiny", 1, "b300-tp8", "thinking", "fail"),
+        rec("tiny", 1, "b300-tp8", "long_context", "fail"), rec("tiny", 2, "b300-tp8", "greedy", "pass"),
+        rec("tiny", 2, "b300-tp8", "greedy", "fail", fault="dt_bias"),
+        rec("tiny", 3, "b300-tp8", None, "error"), rec("tiny", 3, "b300-tp8", "greedy", "pass"),
+        rec("tiny", 4, "b300-tp8", None, "error"),
+        rec("small", 7, "mi355x-tp8", "greedy", "pass")])
+    assert rows == [
+        {"preset": "small", "layout": "mi355x-tp8", "device": "cpu", "seeds": [7], "bundles": 1,
+         "failed_bundles": 0, "cases": 1, "failed_cases": 0, "errors": 0},
+        {"preset": "tiny", "layout": "b300-tp8", "device": "cpu", "seeds": [1, 2, 3], "bundles": 3,
+         "failed_bundles": 1, "cases": 5, "failed_cases": 2, "errors": 1}]
+
+
 # ---------------------------------------------------------------- the shipped limits and their evidence
 REPO = Path(__file__).resolve().parents[1]
 CAL = REPO / "tolerances" / "calibration"

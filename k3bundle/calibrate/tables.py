@@ -1,6 +1,6 @@
 """What records say: per check, the clean worst against the least severe located fault
-(``separation``); false-alarm and detection rates (``rates``); a tolerance file's limits between
-the two (``limit_rows``)."""
+(``separation``); false-alarm and detection rates (``rates``), also per preset and layout
+(``clean_counts``); a tolerance file's limits between the two (``limit_rows``)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,31 @@ def rates(records: list[dict]) -> dict:
                              f"{(r.get('first_failure') or {}).get('tap')} {r.get('reason', '')}"
                              for r in clean if r["status"] == "fail"],
             "faults": {k: {"runs": v[0], "detected": v[1], "located": v[2]} for k, v in by_fault.items()}}
+
+
+def clean_counts(records: list[dict]) -> list[dict]:
+    """The clean runs per (preset, layout, device): seeds, bundles and cases run and failing,
+    and jobs that ended in an error (counted apart: an error judged nothing). Sorted by key."""
+    groups: dict[tuple, dict] = {}
+    for r in records:
+        if r["fault"] is not None:
+            continue
+        g = groups.setdefault((r["preset"], r["layout"], r["device"]),
+                              {"seeds": set(), "bundles": set(), "failed_bundles": set(), "cases": 0,
+                               "failed_cases": 0, "errors": set()})
+        if r.get("status") == "error":
+            g["errors"].add(_job(r))
+        elif r.get("status") in ("pass", "fail"):
+            g["seeds"].add(r["seed"])
+            g["bundles"].add(_job(r))
+            g["cases"] += 1
+            if r["status"] == "fail":
+                g["failed_cases"] += 1
+                g["failed_bundles"].add(_job(r))
+    return [{"preset": p, "layout": l, "device": d, "seeds": sorted(g["seeds"]), "bundles": len(g["bundles"]),
+             "failed_bundles": len(g["failed_bundles"]), "cases": g["cases"], "failed_cases": g["failed_cases"],
+             "errors": len(g["errors"] - g["bundles"])}  # a job rerun after an error counts once, as judged
+            for (p, l, d), g in sorted(groups.items())]
 
 
 def limit_of(tol: Tolerances, key: str) -> float | None:
