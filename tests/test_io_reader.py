@@ -157,6 +157,24 @@ def test_closed_file_refuses_reads(official):
         sf.get("f32")
 
 
+def _open_fds() -> int:
+    import os
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc (Linux)")
+def test_a_reader_dropped_without_close_gives_its_descriptor_back(official):
+    import gc
+
+    path, _ = official
+    before = _open_fds()
+    readers = [SafetensorsFile(path) for _ in range(50)]
+    assert _open_fds() == before + 50
+    del readers
+    gc.collect()
+    assert _open_fds() == before
+
+
 # --- one SafetensorsError per rule -------------------------------------------------------
 
 A = _entry("F32", [2], 0, 8)

@@ -39,6 +39,34 @@ def test_a_bundle_gives_its_merged_device_weights_and_a_checkpoint_its_tensors(t
     assert all(torch.equal(lb[k], ls[k]) for k in ls._tensors)
 
 
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts descriptors in /proc (Linux)")
+def test_a_bundle_reader_keeps_at_most_its_cap_of_files_open(bundle, monkeypatch):
+    """Every layer read with a cap of 3 open rank files (a b300-tp8 bundle of the release has 864;
+    ``ulimit -n`` is often 1,024): the same values as with every file kept open, never more than 3
+    descriptors held, none after close."""
+    import os
+
+    import k3bundle.bundle.weights as W
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    monkeypatch.setattr(W, "MAX_OPEN_FILES", 10_000)
+    wide = BundleWeights(bundle, dtype="float32", resident_bytes=0)
+    want = [dict(wide.layer(l)._tensors) for l in range(wide.config.text.num_hidden_layers)]
+    assert len(wide.files.open) > 3  # uncapped: one reader per rank file read (72 of the bundle's 96)
+    wide.close()
+    monkeypatch.setattr(W, "MAX_OPEN_FILES", 3)
+    before = fds()
+    capped = BundleWeights(bundle, dtype="float32", resident_bytes=0)
+    for l, tensors in enumerate(want):
+        got = capped.layer(l)._tensors
+        assert fds() - before <= 3 and len(capped.files.open) <= 3
+        assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    capped.close()
+    assert fds() == before
+
+
 def test_residency_is_asked_of_both_kinds_alike(tiny_ckpt, bundle):
     assert open_weights(bundle, "float32", resident=False).resident_bytes == 0
     assert open_weights(tiny_ckpt, "float32", resident=True).resident

@@ -39,17 +39,37 @@ from k3bundle.schema.roles import ROLE_BY_NAME, Scope
 from k3bundle.storage import AS_STORED, CONVENTIONS, StorageFormat, storage_for
 
 
+#: rank files a bundle reader keeps open at once: a b300-tp8 bundle of the release has 864 of them
+#: and a process's descriptor limit is often 1,024 (``ulimit -n``), shared by every reader it opens
+MAX_OPEN_FILES = 64
+
+
 class _Files:
-    """Open rank files on demand (one reader per file)."""
+    """Rank files opened on demand, at most ``MAX_OPEN_FILES`` at once (the least recently used
+    closed first; a file opened again reuses its checked header, and is refused if its size changed)."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.open: dict[str, SafetensorsFile] = {}
+        self.open: OrderedDict[str, SafetensorsFile] = OrderedDict()
+        self._headers: dict = {}
+
+    def reader(self, name: str) -> SafetensorsFile:
+        f = self.open.pop(name, None)
+        if f is None:
+            while len(self.open) >= MAX_OPEN_FILES:
+                self.open.popitem(last=False)[1].close()
+            f = SafetensorsFile(self.root / name, header=self._headers.get(name))
+            self._headers[name] = f.header
+        self.open[name] = f  # most recently used last
+        return f
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open.clear()
 
     def get(self, entry: dict, expert: int | None = None) -> torch.Tensor:
-        f = self.open.get(entry["file"])
-        if f is None:
-            f = self.open[entry["file"]] = SafetensorsFile(self.root / entry["file"])
+        f = self.reader(entry["file"])
         src = entry["source"]
         if expert is None or "experts" not in src:
             return f.get(entry["key"])
@@ -403,8 +423,7 @@ class BundleWeights(WeightSource):
         return torch.cat(parts, dim=-1)
 
     def close(self) -> None:
-        for f in self.files.open.values():
-            f.close()
+        self.files.close()
 
 
 def bundle_layout(bundle: str | Path) -> dict:

@@ -321,6 +321,13 @@ class SafetensorsFile:
             os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:
+        # an OS descriptor, not a Python file object: nothing else closes it when the reader is
+        # dropped without close() (a bundle opened per case would run a process out of descriptors)
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def __enter__(self) -> "SafetensorsFile":
         return self
 
