@@ -68,6 +68,47 @@ def test_summaries_read_the_records(records):
     assert all(v["located"] == v["runs"] == 1 for v in rates["faults"].values())
 
 
+def test_a_rerun_runs_only_what_the_records_lack(tmp_path):
+    """Records are written as they are made: a job stopped after its clean cases and one fault
+    reruns with the other faults only; a job holding everything is not rerun; an error record
+    holds nothing."""
+    import json
+
+    def rec(seed, fault, status="pass"):
+        return {"preset": "tiny", "seed": seed, "layout": "b300-tp8", "device": "cpu", "fault": fault,
+                "case": "greedy", "status": status}
+    lines = [rec(1, None), rec(1, "dt_bias", "fail"), rec(2, None), rec(2, "dt_bias", "fail"),
+             rec(2, "swap_experts", "fail"), rec(3, None, "error")]
+    (tmp_path / jobs.RECORDS).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = jobs.make_jobs(tmp_path, [("tiny", [1, 2, 3, 4])], ["b300-tp8"], "cpu", ["dt_bias", "swap_experts"])
+    assert [(j["seed"], j["clean"], j["faults"]) for j in got] == [
+        (1, False, ["swap_experts"]), (3, True, ["dt_bias", "swap_experts"]), (4, True, ["dt_bias", "swap_experts"])]
+
+
+def test_a_job_hands_over_each_batch_of_records_as_it_is_made(tmp_path, monkeypatch):
+    """run_job's emit sees the clean cases, then each fault, before the job ends: a job that dies
+    at its second fault has the first one's record on disk."""
+    calls = []
+    monkeypatch.setattr(jobs, "judge", lambda *a, **k: ([], {}))
+
+    def judge_fault(bundle, inter, name, *a):
+        if name == "boom":
+            raise RuntimeError("planted")
+        return [{"fault": name, "case": "greedy", "status": "fail"}]
+    monkeypatch.setattr(jobs, "judge_fault", judge_fault)
+    import k3bundle.convert as C
+    import k3bundle.golden.generate as G
+    import k3bundle.synth as S
+    monkeypatch.setattr(S, "write_synthetic", lambda path, **k: path.mkdir(parents=True))
+    monkeypatch.setattr(C, "convert", lambda ckpt, layout, out, workers=1: out.mkdir(parents=True))
+    monkeypatch.setattr(G, "generate_goldens", lambda *a, **k: None)
+    job = {"root": str(tmp_path), "preset": "tiny", "seed": 5, "layout": "b300-tp8", "device": "cpu",
+           "long_tokens": 96, "threads": 1, "clean": True, "worker": "w", "faults": ["dt_bias", "boom"]}
+    with pytest.raises(RuntimeError, match="planted"):
+        jobs.run_job(job, emit=lambda batch: calls.append([r["fault"] for r in batch]))
+    assert calls == [[], ["dt_bias"]]
+
+
 def test_clean_counts_group_by_preset_and_layout():
     """Hand-built records: a failing case fails its bundle once; faulted runs are not clean runs;
     a job that errored and was rerun counts once, as judged; one that only errored is counted apart."""

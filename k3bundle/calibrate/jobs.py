@@ -12,8 +12,9 @@ the long-context filler), converts it, makes float32 goldens (``golden_device``)
   fault was planted.
 
 The device may run a kernel backend (``kernels.backend.load``): then every run, clean and
-faulted, is that backend's. Records are appended to ``records.jsonl`` as jobs finish, so an
-interrupted run keeps what it measured and a rerun skips the jobs already recorded.
+faulted, is that backend's. Records are appended to ``records.jsonl`` as they are made (the clean
+cases together, then each fault), so an interrupted run keeps what it measured and a rerun runs
+only what is not recorded yet (a full-depth job judges 16 faults for most of an hour).
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def _located(rec: dict) -> str:
     return f"planted {planted}; {said}" if planted else said
 
 
-def run_job(job: dict, log: Log = _quiet) -> list[dict]:
-    """One job's records (see the module docstring for the keys of ``job``)."""
+def run_job(job: dict, log: Log = _quiet, emit: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One job's records (see the module docstring for the keys of ``job``); ``emit`` is handed
+    each batch of them as it is made (the clean cases, then each fault's)."""
     from k3bundle.convert import convert
     from k3bundle.golden.generate import generate_goldens
     from k3bundle.synth import write_synthetic
@@ -138,30 +140,38 @@ def run_job(job: dict, log: Log = _quiet) -> list[dict]:
     generate_goldens(bundle, cases_dir=job.get("cases_dir") or cases_for(preset, seed, root / f"w{job['worker']}"),
                      tolerance=job.get("tolerance") or tolerance_for(layout), long_tokens=job["long_tokens"],
                      device=job.get("golden_device", "cpu"))
+    t_made = time.time() - t0
     base = {k: job[k] for k in JOB_KEYS}
     if job.get("golden_device", "cpu") != "cpu":
         base["golden_device"] = job["golden_device"]
     if backend is not None:
         base["backend"] = backend
     records = []
+
+    def made(recs: list[dict]) -> None:
+        for r in recs:
+            r["seconds"] = round(time.time() - t0, 1)  # since the job started
+        records.extend(recs)
+        if emit is not None:
+            emit(recs)
+
+    log(f"goldens made in {t_made:.0f} s")
     if job["clean"]:
         log("clean: every case")
         reps, inter = judge(bundle, job["device"], None, backend)
-        records += [{**base, "fault": None, **summarise(r),
-                     "added_noise_ratio": added_noise_ratio(r, _case_arrays(inter, r.name))} for r in reps]
+        made([{**base, "fault": None, **summarise(r),
+               "added_noise_ratio": added_noise_ratio(r, _case_arrays(inter, r.name))} for r in reps])
         log("clean: " + ", ".join(f"{r['case']} {r['status']}" for r in records))
     else:
         from k3bundle.golden.store import read_npz
         inter = read_npz(bundle / "validation" / "golden_intermediates.npz")
     for name in job["faults"]:
         recs = judge_fault(bundle, inter, name, job["device"], backend, root / f"fault-{job['worker']}", seed)
-        records += [{**base, **r} for r in recs]
+        made([{**base, **r} for r in recs])
         log(f"fault {name}: {_located(records[-1])}")
     shutil.rmtree(bundle, ignore_errors=True)
     if not job.get("keep_checkpoint"):
         shutil.rmtree(ckpt, ignore_errors=True)
-    for r in records:
-        r["seconds"] = round(time.time() - t0, 1)
     return records
 
 
@@ -211,45 +221,52 @@ def _job_id(job: dict) -> str:
     return f"{job['preset']}:{job['seed']} {job['layout']} {job['device']}"
 
 
+def _append(out: Path, recs: list[dict]) -> None:
+    with open(out, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+
+
 def _worker(args):
     job, out, progress = args
     log = _quiet if progress is None else (lambda s: progress(f"  {_job_id(job)}: {s}"))
     try:
-        recs = run_job(job, log)
-    except Exception as e:  # one failed job is recorded, not fatal to the run
+        recs = run_job(job, log, emit=lambda batch: _append(out, batch))
+    except Exception as e:  # one failed job is recorded, not fatal to the run; what it made is kept
         recs = [{**{k: job[k] for k in JOB_KEYS}, "fault": None, "status": "error",
                  "reason": f"{type(e).__name__}: {e}"}]
-    with open(out, "a") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
+        _append(out, recs)
     return job, recs
 
 
-def recorded_jobs(records: Path) -> set[tuple]:
-    """The (preset, seed, layout, device) of every job ``records`` already holds (a job that
-    failed is run again)."""
-    done = set()
+def recorded(records: Path) -> dict[tuple, set]:
+    """Per (preset, seed, layout, device): what ``records`` already holds of that job — None for
+    its clean cases, a fault's name for that fault. A job that ended in an error is run again
+    from where its records stop."""
+    done: dict[tuple, set] = {}
     if records.exists():
         for line in records.read_text().splitlines():
             r = json.loads(line)
             if r.get("status") != "error":
-                done.add(tuple(r[k] for k in JOB_KEYS))
+                done.setdefault(tuple(r[k] for k in JOB_KEYS), set()).add(r["fault"])
     return done
 
 
 def make_jobs(out: Path, presets: list[tuple[str, list[int]]], layouts: list[str], device: str, faults: list[str],
               clean: bool = True, **options) -> list[dict]:
-    """The jobs of a run that ``out/records.jsonl`` does not hold yet; ``options``: long_tokens,
-    threads, golden_device, backend, tolerance, cases_dir (job keys)."""
-    done = recorded_jobs(out / RECORDS)
+    """The jobs of a run, each with only what ``out/records.jsonl`` does not hold yet (its clean
+    cases, its faults); ``options``: long_tokens, threads, golden_device, backend, tolerance,
+    cases_dir (job keys)."""
+    done = recorded(out / RECORDS)
     jobs = []
     for preset, seeds in presets:
         for seed in seeds:
             for layout in layouts:
-                if (preset, seed, layout, device) in done:
+                have = done.get((preset, seed, layout, device), set())
+                todo, judge_clean = [f for f in faults if f not in have], clean and None not in have
+                if not todo and not judge_clean:
                     continue
                 job = {"root": str(out), "preset": preset, "seed": seed, "layout": layout, "device": device,
-                       "clean": clean, "faults": list(faults), "long_tokens": 512, "threads": 2, **options}
+                       "clean": judge_clean, "faults": todo, "long_tokens": 512, "threads": 2, **options}
                 job["worker"] = f"{preset}-{seed}-{layout}-{device.replace(':', '')}"  # unique dirs
                 jobs.append(job)
     return jobs

@@ -29,7 +29,7 @@ def _progress(line: str) -> None:
 
 
 def calibrate(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for records.jsonl (appended; a rerun skips the jobs it holds) and the calibrated tolerances.yaml.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for records.jsonl (appended as each case is judged; a rerun runs only what it lacks) and the calibrated tolerances.yaml.")],
     preset: Annotated[list[str], typer.Option("--preset", metavar="PRESET[:SEEDS]", help="Synthetic model and seeds, repeatable: tiny-trained:0-4 (the seed draws the prompts), tiny:0,2 (the seed draws the weights).")],
     layout: Annotated[list[str], typer.Option("--layout", metavar="LAYOUT", help="Layout to convert each model with, repeatable (b300-tp8, mi355x-tp8, ... or a .yaml).")],
     device: Annotated[str, typer.Option(help="Torch device under calibration: cpu, cuda, cuda:1, ...")] = "cpu",
