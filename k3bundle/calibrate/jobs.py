@@ -140,7 +140,6 @@ def run_job(job: dict, log: Log = _quiet, emit: Callable[[list[dict]], None] | N
     generate_goldens(bundle, cases_dir=job.get("cases_dir") or cases_for(preset, seed, root / f"w{job['worker']}"),
                      tolerance=job.get("tolerance") or tolerance_for(layout), long_tokens=job["long_tokens"],
                      device=job.get("golden_device", "cpu"))
-    t_made = time.time() - t0
     base = {k: job[k] for k in JOB_KEYS}
     if job.get("golden_device", "cpu") != "cpu":
         base["golden_device"] = job["golden_device"]
@@ -155,7 +154,7 @@ def run_job(job: dict, log: Log = _quiet, emit: Callable[[list[dict]], None] | N
         if emit is not None:
             emit(recs)
 
-    log(f"goldens made in {t_made:.0f} s")
+    log(f"goldens made in {time.time() - t0:.0f} s")
     if job["clean"]:
         log("clean: every case")
         reps, inter = judge(bundle, job["device"], None, backend)
